@@ -1,0 +1,154 @@
+"""The one durable-I/O seam: every durable write in kvpack goes through this module.
+
+Pattern (DESIGN.md principle 4): create a temporary file next to the target with
+``O_CREAT | O_EXCL | O_NOFOLLOW`` and mode 0600, write everything, ``fsync`` it, rename it
+over the target, then ``fsync`` the directory so the rename itself is durable. A crash at any
+point leaves either the old file or the new one, never a mix.
+
+All system calls go through a :class:`FileOps` object so tests can substitute a
+fault-injecting layer (:mod:`kvpack.testing.faults`) that fails fsync with EIO, loses
+unsynced writes, or crashes at step N.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import secrets
+from collections.abc import Iterable
+from typing import Union
+
+from .errors import DurableIOError
+
+Buffer = Union[bytes, bytearray, memoryview]
+
+
+class FileOps:
+    """Real system calls. Subclassed by the fault-injecting test layer."""
+
+    def open_excl(self, path: str, mode: int) -> int:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+        return os.open(path, flags, mode)
+
+    def write(self, fd: int, data: Buffer) -> None:
+        view = memoryview(data).cast("B")
+        while view:
+            written = os.write(fd, view)
+            view = view[written:]
+
+    def fsync(self, fd: int) -> None:
+        os.fsync(fd)
+
+    def close(self, fd: int) -> None:
+        os.close(fd)
+
+    def rename(self, src: str, dst: str) -> None:
+        os.rename(src, dst)
+
+    def fsync_dir(self, path: str) -> None:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def unlink(self, path: str) -> None:
+        os.unlink(path)
+
+    def mkdir(self, path: str, mode: int) -> None:
+        os.mkdir(path, mode)
+
+
+REAL_OPS = FileOps()
+
+
+def temp_path_for(path: str) -> str:
+    """A fresh temporary name in the target's directory (same filesystem, so rename is atomic)."""
+    directory, name = os.path.split(path)
+    return os.path.join(directory or ".", f".{name}.{secrets.token_hex(8)}.tmp")
+
+
+def atomic_write(
+    path: str | os.PathLike[str],
+    data: Buffer | Iterable[Buffer],
+    *,
+    ops: FileOps = REAL_OPS,
+    mode: int = 0o600,
+    sync_dir: bool = True,
+) -> None:
+    """Durably replace ``path`` with ``data`` (one buffer or an iterable of buffers).
+
+    Raises :class:`DurableIOError` naming the step that failed. On failure the temporary file
+    is removed (best effort) and the target is untouched.
+    """
+    target = os.fspath(path)
+    tmp = temp_path_for(target)
+    step = "open"
+    fd = -1
+    try:
+        fd = ops.open_excl(tmp, mode)
+        step = "write"
+        if isinstance(data, (bytes, bytearray, memoryview)):
+            ops.write(fd, data)
+        else:
+            for piece in data:
+                ops.write(fd, piece)
+        step = "fsync"
+        ops.fsync(fd)
+        ops.close(fd)
+        fd = -1
+        step = "rename"
+        ops.rename(tmp, target)
+        tmp = ""
+        if sync_dir:
+            step = "dirsync"
+            ops.fsync_dir(os.path.dirname(target) or ".")
+    except OSError as exc:
+        raise DurableIOError(step, f"{target}: {os.strerror(exc.errno or errno.EIO)}") from exc
+    finally:
+        if fd >= 0:
+            try:
+                ops.close(fd)
+            except OSError:
+                pass
+        if tmp:
+            try:
+                ops.unlink(tmp)
+            except OSError:
+                pass
+
+
+def durable_unlink(path: str | os.PathLike[str], *, ops: FileOps = REAL_OPS) -> bool:
+    """Remove ``path`` and make the removal durable. Returns False if it did not exist."""
+    target = os.fspath(path)
+    try:
+        ops.unlink(target)
+    except FileNotFoundError:
+        return False
+    except OSError as exc:
+        raise DurableIOError("rename", f"unlink {target}: {exc.strerror}") from exc
+    try:
+        ops.fsync_dir(os.path.dirname(target) or ".")
+    except OSError as exc:
+        raise DurableIOError("dirsync", f"{target}: {exc.strerror}") from exc
+    return True
+
+
+def ensure_dir(path: str | os.PathLike[str], *, mode: int = 0o700, ops: FileOps = REAL_OPS) -> None:
+    """Create ``path`` (and parents) if missing, fsyncing each parent so the entry is durable."""
+    target = os.path.abspath(os.fspath(path))
+    if os.path.isdir(target):
+        return
+    parent = os.path.dirname(target)
+    if parent != target:
+        ensure_dir(parent, mode=mode, ops=ops)
+    try:
+        ops.mkdir(target, mode)
+    except FileExistsError:
+        return
+    except OSError as exc:
+        raise DurableIOError("open", f"mkdir {target}: {exc.strerror}") from exc
+    try:
+        ops.fsync_dir(parent)
+    except OSError as exc:
+        raise DurableIOError("dirsync", f"{parent}: {exc.strerror}") from exc

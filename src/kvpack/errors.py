@@ -1,0 +1,156 @@
+"""Typed error hierarchy for kvpack.
+
+Every refusal kvpack makes is an exception carrying a *category* (a short, stable,
+machine-readable word) and a human message. Categories are what tests, receipts, metrics and
+other implementations compare; messages are informative only. ``str(err)`` renders
+``category:message``, the verdict form of the upstream reference.
+
+Each domain has its own class with a closed set of categories, so a typo in a category is a
+programming error caught at raise time rather than a silently unmatchable verdict.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+
+class KvpackError(Exception):
+    """Base of every error kvpack raises on purpose."""
+
+    CATEGORIES: ClassVar[frozenset[str]] = frozenset()
+
+    def __init__(self, category: str, message: str = "") -> None:
+        if category not in self.CATEGORIES:
+            raise ValueError(f"{type(self).__name__}: unknown category {category!r}")
+        super().__init__(category, message)
+        self.category = category
+        self.message = message
+
+    def __str__(self) -> str:
+        return f"{self.category}:{self.message}"
+
+    def verdict(self) -> str:
+        """The ``category:message`` form used by receipts and the reference CLI."""
+        return str(self)
+
+
+class FormatError(KvpackError):
+    """A production-v1 durable object (or an input to its encoder) was refused.
+
+    The ten categories are normative (INTEROP.md A.6, INTEROP-A-ERRATA §4).
+    """
+
+    CATEGORIES = frozenset(
+        {
+            "truncated",
+            "bad_magic",
+            "reserved",
+            "bounds",
+            "unknown_enum",
+            "semantics",
+            "graph",
+            "codec",
+            "checksum",
+            "authentication",
+        }
+    )
+
+
+class ProtocolError(KvpackError):
+    """A Handoff V2 / control-plane message or state transition was refused.
+
+    ``remote`` is True when the refusal was caused by bytes the peer sent (h11's
+    Local/Remote split): the local side did nothing wrong and should abort the transfer.
+    """
+
+    CATEGORIES = frozenset(
+        {
+            "framing",  # preamble, lengths, frame kind/payload rules
+            "json",  # not canonical, unknown field, wrong type, size bounds
+            "manifest",  # begin/descriptor/seal field rules (C.4-C.6)
+            "identity",  # exact identity or target cache mismatch
+            "expired",  # begin past its expiry
+            "key",  # key id / epoch not acceptable
+            "digest",  # segment or payload digest mismatch
+            "authentication",  # seal HMAC mismatch
+            "sequence",  # out of order, duplicate, missing or extra segment
+            "state",  # an event not allowed in the current state
+            "replay",  # replay admission refused the transfer
+            "reservation",  # durable reservation failed
+            "sink",  # the sink refused (prepare/commit)
+            "delta",  # prefix_cut / delta witness rules (C.11)
+            "aborted",  # peer or local abort
+        }
+    )
+
+    def __init__(self, category: str, message: str = "", *, remote: bool = True) -> None:
+        super().__init__(category, message)
+        self.remote = remote
+
+
+class SecurityError(KvpackError):
+    """TLS, pinning, secret-file, ledger or enrollment refusal."""
+
+    CATEGORIES = frozenset(
+        {
+            "tls",  # handshake or protocol-version failure
+            "alpn",  # ALPN missing or not the expected protocol
+            "pin",  # peer leaf not in the pin set
+            "certificate",  # certificate missing, expired or not from the CA
+            "secret_file",  # key/secret file violates its contract
+            "replay",  # generation zero, replayed or stale
+            "degraded",  # ledger latched degraded after a failed reservation
+            "epoch",  # epoch below the configured minimum
+            "ledger",  # ledger file malformed, wrong mode or locked by another process
+            "volume",  # ledger volume too slow (probe)
+            "config",  # config file malformed or inconsistent
+            "enrollment",  # enrollment workflow refusal
+        }
+    )
+
+
+class StoreError(KvpackError):
+    """Filesystem pack-store refusal (verification failures wrap a FormatError)."""
+
+    CATEGORIES = frozenset(
+        {
+            "miss",  # nothing reusable for this identity/prefix
+            "corrupt",  # a stored object failed verification
+            "incomplete",  # a cut without its final-logits plane or missing chunks
+            "locked",  # another process holds the store lock
+            "key",  # encryption key missing or unreadable
+            "io",  # durable I/O failed
+            "usage",  # caller error (bad arguments)
+        }
+    )
+
+
+class EngineError(KvpackError):
+    """Engine adapter refusal: identity or layout mismatch, unsupported cache."""
+
+    CATEGORIES = frozenset({"identity", "layout", "unsupported", "install", "model"})
+
+
+class DurableIOError(KvpackError):
+    """A step of the durable write pattern failed (fsync EIO, rename, directory fsync)."""
+
+    CATEGORIES = frozenset({"open", "write", "fsync", "rename", "dirsync", "crash"})
+
+
+class MigrationError(KvpackError):
+    """Session-migration refusal (HTTP API, journals, storage tier)."""
+
+    CATEGORIES = frozenset(
+        {
+            "usage",
+            "not_found",
+            "conflict",
+            "identity_mismatch",
+            "integrity",
+            "transport",
+            "ambiguous",
+            "state",
+            "tls_required",
+            "unauthorized",
+        }
+    )

@@ -1,0 +1,170 @@
+"""A fault-injecting :class:`~kvpack.durable.FileOps` for crash-safety tests.
+
+It performs real system calls in a real directory, and keeps a model of what the kernel has
+made durable so far:
+
+* file contents become durable at ``fsync(fd)``;
+* directory entries (creations, renames, unlinks, mkdirs) become durable at ``fsync_dir``.
+
+``crash_at=N`` simulates power loss *before* step N: every non-durable effect is undone on
+disk (unsynced contents are rolled back to their last synced bytes, unsynced renames,
+creations and unlinks are reverted in reverse order), then :class:`SimulatedCrash` is raised.
+``SimulatedCrash`` derives from BaseException so that production code's ``except OSError`` /
+``except Exception`` cleanup paths do not run, exactly like a killed process.
+
+``fail`` makes chosen steps raise ``OSError(EIO)`` instead (e.g. EIO on fsync); ``delays``
+adds latency to an operation kind (e.g. a slow directory fsync for the volume probe).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import time
+from collections.abc import Callable, Container
+
+from ..durable import Buffer, FileOps
+
+
+class SimulatedCrash(BaseException):
+    """The simulated machine lost power; nothing after this point ran."""
+
+
+class FaultyOps(FileOps):
+    def __init__(
+        self,
+        *,
+        crash_at: int | None = None,
+        fail: Callable[[int, str], bool] | None = None,
+        fail_ops: Container[str] = (),
+        delays: dict[str, float] | None = None,
+    ) -> None:
+        self.crash_at = crash_at
+        self._fail = fail
+        self._fail_ops = fail_ops
+        self.delays = dict(delays or {})
+        self.steps = 0
+        self.log: list[str] = []
+        self.crashed = False
+        self._fd_path: dict[int, str] = {}
+        # path -> content that is durable for it (b"" for a fresh file)
+        self._dirty: dict[str, bytes] = {}
+        # non-durable directory operations, in order: (dir, op, args...)
+        self._pending: list[tuple] = []
+
+    # -- bookkeeping -------------------------------------------------------------------------
+    def _step(self, name: str) -> None:
+        if self.crashed:
+            raise SimulatedCrash("machine already crashed")
+        self.steps += 1
+        self.log.append(name)
+        if self.crash_at is not None and self.steps >= self.crash_at:
+            self.crash()
+            raise SimulatedCrash(f"crash before step {self.steps} ({name})")
+        delay = self.delays.get(name)
+        if delay:
+            time.sleep(delay)
+        if name in self._fail_ops or (self._fail is not None and self._fail(self.steps, name)):
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    @staticmethod
+    def _dir(path: str) -> str:
+        return os.path.dirname(os.path.abspath(path))
+
+    @staticmethod
+    def _read_or_none(path: str) -> bytes | None:
+        try:
+            with open(path, "rb") as fh:
+                return fh.read()
+        except (FileNotFoundError, IsADirectoryError):
+            return None
+
+    @staticmethod
+    def _put(path: str, content: bytes) -> None:
+        with open(path, "wb") as fh:
+            fh.write(content)
+
+    # -- FileOps ----------------------------------------------------------------------------
+    def open_excl(self, path: str, mode: int) -> int:
+        self._step("open")
+        fd = super().open_excl(path, mode)
+        path = os.path.abspath(path)
+        self._fd_path[fd] = path
+        self._dirty[path] = b""
+        self._pending.append((self._dir(path), "create", path))
+        return fd
+
+    def write(self, fd: int, data: Buffer) -> None:
+        self._step("write")
+        super().write(fd, data)
+
+    def fsync(self, fd: int) -> None:
+        self._step("fsync")
+        super().fsync(fd)
+        self._dirty.pop(self._fd_path.get(fd, ""), None)
+
+    def close(self, fd: int) -> None:
+        # close is not a durability point and never fails in the model; not a step.
+        self._fd_path.pop(fd, None)
+        super().close(fd)
+
+    def rename(self, src: str, dst: str) -> None:
+        self._step("rename")
+        src, dst = os.path.abspath(src), os.path.abspath(dst)
+        prior = self._read_or_none(dst)
+        super().rename(src, dst)
+        if src in self._dirty:
+            self._dirty[dst] = self._dirty.pop(src)
+        self._pending.append((self._dir(dst), "rename", src, dst, prior))
+
+    def fsync_dir(self, path: str) -> None:
+        self._step("dirsync")
+        super().fsync_dir(path)
+        directory = os.path.abspath(path)
+        self._pending = [p for p in self._pending if p[0] != directory]
+
+    def unlink(self, path: str) -> None:
+        self._step("unlink")
+        path = os.path.abspath(path)
+        content = self._read_or_none(path)
+        super().unlink(path)
+        self._dirty.pop(path, None)
+        if content is not None:
+            self._pending.append((self._dir(path), "unlink", path, content))
+
+    def mkdir(self, path: str, mode: int) -> None:
+        self._step("mkdir")
+        super().mkdir(path, mode)
+        self._pending.append((self._dir(path), "mkdir", os.path.abspath(path)))
+
+    # -- power loss ---------------------------------------------------------------------------
+    def crash(self) -> None:
+        """Undo every effect the kernel had not yet made durable."""
+        self.crashed = True
+        for path, durable in self._dirty.items():
+            if os.path.exists(path):
+                self._put(path, durable)
+        for entry in reversed(self._pending):
+            op = entry[1]
+            if op == "create":
+                if os.path.exists(entry[2]):
+                    os.unlink(entry[2])
+            elif op == "rename":
+                _, _, src, dst, prior = entry
+                if os.path.exists(dst):
+                    os.rename(dst, src)
+                if prior is not None:
+                    self._put(dst, prior)
+            elif op == "unlink":
+                self._put(entry[2], entry[3])
+            elif op == "mkdir":
+                shutil.rmtree(entry[2], ignore_errors=True)
+        self._dirty.clear()
+        self._pending.clear()
+        for fd in list(self._fd_path):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._fd_path.clear()
