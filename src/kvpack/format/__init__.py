@@ -1,0 +1,39 @@
+"""kvpack production-v1 durable format: pure codecs (bytes in, objects/bytes out).
+
+No files, sockets, clocks or randomness inside: salts, nonces and keys are passed in.
+Every decoder consumes its input exactly, re-encodes and compares, and refuses with a
+:class:`kvpack.errors.FormatError` carrying one of the ten normative categories.
+"""
+
+from .chunk import ChunkHeader, EncodedChunk, KeyRing, decode_chunk, encode_chunk, verify_chunk_standalone
+from .codec import decode_frame, encode_frame
+from .identity import (
+    InputCutId,
+    PrefixChain,
+    SemanticModelId,
+    auxiliary_root,
+    chunk_content_id,
+    chunk_object_key,
+    namespace_id,
+    prefix_context,
+)
+from .keys import KeySchedule
+from .objects import (
+    AtomicGroup,
+    ChunkRef,
+    DeltaParent,
+    Family,
+    FamilyState,
+    Manifest,
+    PayloadState,
+    RealizedState,
+    Schema,
+    Span,
+    StateDeclaration,
+    StateKey,
+)
+from .pack import decode_pack, encode_pack, pack_structure
+from .sidecar import StatsSidecar
+from .validate import validate_family, validate_manifest
+
+__all__ = [name for name in dir() if not name.startswith("_")]

@@ -1,0 +1,305 @@
+"""Chunk objects (KVCHK1, INTEROP.md A.5, errata S2-2/4/5/6/7/12/18/21).
+
+``4096-byte header || payload (frame, or frame ciphertext || tag) || zero pad`` to the next
+multiple of 4096. A chunk is content-addressed twice: the *content id* (stable key, over the
+plaintext and its position in the state stream) and the *object key* (epoch key, over the
+encoding choices). The manifest's chunk ref carries both plus the SHA-256 of the whole object.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from dataclasses import dataclass
+
+from . import constants as C
+from .aead import chunk_data_key, open_sealed, seal
+from .codec import decode_frame, encode_frame
+from .identity import chunk_content_id, chunk_object_key
+from .keys import KeySchedule
+from .objects import ChunkRef, Family, Span, StateKey
+from .sidecar import StatsSidecar
+from .wire import fail
+
+_FIXED = struct.Struct("<HHIIHHIIIIQ")  # at offset 8
+_DIGEST_AT = 204
+_ZERO_SALT = bytes(16)
+_ZERO_NONCE = bytes(12)
+
+
+class KeyRing:
+    """Key schedules for one (root, tenant), derived per epoch on demand."""
+
+    def __init__(self, root: bytes, tenant: bytes) -> None:
+        self._root = root
+        self.tenant = tenant
+        self._cache: dict[int, KeySchedule] = {}
+
+    def for_epoch(self, epoch: int) -> KeySchedule:
+        ks = self._cache.get(epoch)
+        if ks is None:
+            ks = self._cache[epoch] = KeySchedule.derive(self._root, self.tenant, epoch)
+        return ks
+
+    def __repr__(self) -> str:
+        return f"KeyRing(tenant={self.tenant.hex()[:16]}…)"
+
+
+Keys = KeySchedule | KeyRing
+
+
+def _schedule(keys: Keys, epoch: int) -> KeySchedule:
+    if isinstance(keys, KeyRing):
+        if epoch == 0:
+            raise fail("semantics", "key epoch 0 is invalid")
+        return keys.for_epoch(epoch)
+    return keys
+
+
+@dataclass(frozen=True)
+class ChunkHeader:
+    version: int
+    header_bytes: int
+    alignment: int
+    flags: int
+    codec: int
+    codec_version: int
+    plaintext_bytes: int
+    encoded_bytes: int
+    stored_bytes: int
+    object_bytes: int
+    key_epoch: int
+    tenant: bytes
+    family_digest: bytes
+    content_id: bytes
+    object_key: bytes
+    salt: bytes
+    nonce: bytes
+    header_digest: bytes
+    sidecar: bytes  # KVSSC1 bytes without the u16 length prefix; b"" when absent
+
+    @property
+    def encrypted(self) -> bool:
+        return bool(self.flags & 1)
+
+    @classmethod
+    def parse(cls, obj: bytes | memoryview) -> "ChunkHeader":
+        """Field extraction only (no checks); callers check in the normative order."""
+        h = bytes(obj[: C.HEADER_BYTES])
+        fixed = _FIXED.unpack_from(h, 8)
+        side_len = struct.unpack_from("<H", h, C.SIDECAR_OFFSET)[0]
+        return cls(
+            *fixed,
+            tenant=h[48:80],
+            family_digest=h[80:112],
+            content_id=h[112:144],
+            object_key=h[144:176],
+            salt=h[176:192],
+            nonce=h[192:204],
+            header_digest=h[204:236],
+            sidecar=h[238 : 238 + side_len] if side_len <= C.MAX_SIDECAR_BYTES else b"",
+        )
+
+
+def _is_zero(data: bytes | memoryview) -> bool:
+    raw = bytes(data)
+    return raw.count(0) == len(raw)
+
+
+def header_digest(header: bytes | bytearray) -> bytes:
+    h = hashlib.sha256()
+    h.update(memoryview(header)[:_DIGEST_AT])
+    h.update(bytes(32))
+    h.update(memoryview(header)[_DIGEST_AT + 32 : C.HEADER_BYTES])
+    return h.digest()
+
+
+@dataclass(frozen=True)
+class EncodedChunk:
+    obj: bytes
+    ref: ChunkRef
+    content_id: bytes
+    object_key: bytes
+
+
+def aligned_object_bytes(payload_bytes: int) -> int:
+    return -(-(C.HEADER_BYTES + payload_bytes) // C.ALIGNMENT) * C.ALIGNMENT
+
+
+def encode_chunk(
+    *,
+    keys: KeySchedule,
+    family_digest: bytes,
+    key: StateKey,
+    span: Span,
+    plaintext: bytes | memoryview,
+    codec: int,
+    encrypted: bool = False,
+    salt: bytes = _ZERO_SALT,
+    nonce: bytes = _ZERO_NONCE,
+    sidecar: bytes | None = None,
+    codec_version: int = C.CODEC_VERSION,
+) -> EncodedChunk:
+    """Build one chunk object. Salt and nonce are inputs (never generated here)."""
+    epoch = keys.epoch
+    if epoch == 0:
+        raise fail("semantics", "chunk: key epoch 0")
+    n = len(plaintext)
+    if span.plaintext_bytes != n:
+        raise fail("semantics", f"chunk: span says {span.plaintext_bytes} bytes, plaintext has {n}")
+    if codec_version != C.CODEC_VERSION:
+        raise fail("codec", f"chunk: codec_version {codec_version}")
+    if not 1 <= n <= C.MAX_CHUNK_PLAINTEXT:
+        raise fail("bounds", f"chunk: plaintext {n} bytes outside 1..4 MiB")
+    if len(salt) != 16 or len(nonce) != 12:
+        raise fail("bounds", "chunk: salt must be 16 bytes and nonce 12")
+    if not encrypted and (salt != _ZERO_SALT or nonce != _ZERO_NONCE):
+        raise fail("reserved", "chunk: salt/nonce given for an unencrypted chunk")
+    if sidecar:
+        StatsSidecar.decode(sidecar)
+    content_id = chunk_content_id(
+        keys.chunk_identity, keys.tenant, family_digest, key.layer, key.name, span.token_start, span.token_count, span.plaintext_offset, plaintext
+    )
+    object_key = chunk_object_key(
+        keys.object_identity, keys.tenant, family_digest, content_id, epoch, codec, codec_version, encrypted, salt, nonce, sidecar
+    )
+    frame = encode_frame(codec, plaintext)
+    stored = len(frame) + (C.AEAD_TAG_BYTES if encrypted else 0)
+    total = aligned_object_bytes(stored)
+    if total > C.MAX_CHUNK_OBJECT_BYTES:
+        raise fail("bounds", f"chunk: object {total} bytes exceeds the cap")
+    obj = bytearray(total)
+    _FIXED.pack_into(obj, 8, 1, C.HEADER_BYTES, C.ALIGNMENT, 1 if encrypted else 0, codec, codec_version, n, len(frame), stored, total, epoch)
+    obj[0:8] = C.MAGIC_CHUNK
+    obj[48:80] = keys.tenant
+    obj[80:112] = family_digest
+    obj[112:144] = content_id
+    obj[144:176] = object_key
+    obj[176:192] = salt
+    obj[192:204] = nonce
+    if sidecar:
+        struct.pack_into("<H", obj, C.SIDECAR_OFFSET, len(sidecar))
+        obj[238 : 238 + len(sidecar)] = sidecar
+    obj[_DIGEST_AT : _DIGEST_AT + 32] = header_digest(obj)
+    if encrypted:
+        aad = bytes(obj[: C.HEADER_BYTES])
+        data_key = chunk_data_key(keys.chunk_encryption, salt, content_id, object_key)
+        obj[C.HEADER_BYTES : C.HEADER_BYTES + stored] = seal(data_key, nonce, frame, aad)
+    else:
+        obj[C.HEADER_BYTES : C.HEADER_BYTES + stored] = frame
+    out = bytes(obj)
+    ref = ChunkRef(content_id, object_key, hashlib.sha256(out).digest(), epoch, n, total)
+    return EncodedChunk(out, ref, content_id, object_key)
+
+
+def _structural(obj: bytes | memoryview) -> ChunkHeader:
+    """Steps 1-5 of the chunk decode order (no keys needed)."""
+    length = len(obj)
+    if length < C.HEADER_BYTES or length > C.MAX_CHUNK_OBJECT_BYTES or length % C.ALIGNMENT:
+        raise fail("bounds", f"chunk: object length {length}")
+    if bytes(obj[0:8]) != C.MAGIC_CHUNK:
+        raise fail("bad_magic", f"chunk: magic {bytes(obj[0:8])!r}")
+    h = ChunkHeader.parse(obj)
+    if (h.version, h.header_bytes, h.alignment) != (1, C.HEADER_BYTES, C.ALIGNMENT):
+        raise fail("bad_magic", "chunk: version/header size/alignment")
+    if h.flags & ~1:
+        raise fail("reserved", f"chunk: unknown flag bits {h.flags:#x}")
+    if h.codec not in C.CODECS:
+        raise fail("unknown_enum", f"chunk: codec {h.codec}")
+    if h.codec_version != C.CODEC_VERSION:
+        raise fail("codec", f"chunk: codec_version {h.codec_version}")
+    if not 1 <= h.plaintext_bytes <= C.MAX_CHUNK_PLAINTEXT:
+        raise fail("bounds", f"chunk: plaintext {h.plaintext_bytes}")
+    if not C.CODEC_FRAME_HEADER_BYTES <= h.encoded_bytes <= C.MAX_CHUNK_PLAINTEXT + C.MAX_CODEC_OVERHEAD:
+        raise fail("bounds", f"chunk: encoded {h.encoded_bytes}")
+    if h.object_bytes != length:
+        raise fail("bounds", f"chunk: header says {h.object_bytes} bytes, object has {length}")
+    if h.stored_bytes != h.encoded_bytes + (C.AEAD_TAG_BYTES if h.encrypted else 0):
+        raise fail("bounds", "chunk: stored payload size inconsistent")
+    payload_end = C.HEADER_BYTES + h.stored_bytes
+    if payload_end > length:
+        raise fail("truncated", "chunk: payload runs past the object")
+    if not _is_zero(obj[payload_end:]):
+        raise fail("reserved", "chunk: nonzero padding")
+    side_len = struct.unpack_from("<H", obj, C.SIDECAR_OFFSET)[0]
+    tail = bytes(obj[C.SIDECAR_OFFSET + 2 : C.HEADER_BYTES])
+    if side_len:
+        if side_len > C.MAX_SIDECAR_BYTES:
+            raise fail("bounds", f"chunk: sidecar length {side_len}")
+        StatsSidecar.decode(tail[:side_len])
+        if not _is_zero(tail[side_len:]):
+            raise fail("reserved", "chunk: nonzero bytes after the sidecar")
+    elif not _is_zero(tail):
+        raise fail("reserved", "chunk: nonzero header tail")
+    if not h.encrypted and (h.salt != _ZERO_SALT or h.nonce != _ZERO_NONCE):
+        raise fail("reserved", "chunk: salt/nonce set on an unencrypted chunk")
+    return h
+
+
+def decode_chunk(
+    obj: bytes | memoryview,
+    *,
+    ref: ChunkRef,
+    span: Span,
+    tenant: bytes,
+    family: Family,
+    key: StateKey,
+    keys: Keys,
+    family_digest: bytes | None = None,
+) -> bytes:
+    """Verify a chunk object against its manifest ref and return the plaintext.
+
+    Every check of A.5 runs in the normative order; the first failure raises FormatError.
+    ``family_digest`` may be passed to avoid recomputing it per chunk.
+    """
+    h = _structural(obj)
+    length = len(obj)
+    if length != ref.object_bytes or h.plaintext_bytes != ref.plaintext_bytes or h.plaintext_bytes != span.plaintext_bytes:
+        raise fail("bounds", "chunk: size differs from its ref/span")
+    if hashlib.sha256(obj).digest() != ref.object_digest:
+        raise fail("authentication", "chunk: object digest differs from the ref")
+    if header_digest(bytes(obj[: C.HEADER_BYTES])) != h.header_digest:
+        raise fail("authentication", "chunk: header digest mismatch")
+    fam_digest = family_digest if family_digest is not None else family.digest()
+    state = family.state(key)
+    if state is None or state.codec != h.codec or state.codec_version != h.codec_version:
+        raise fail("semantics", f"chunk: state {key} absent from the family or codec differs")
+    if h.tenant != tenant or h.family_digest != fam_digest or h.key_epoch != ref.key_epoch:
+        raise fail("authentication", "chunk: tenant/family/epoch binding mismatch")
+    ks = _schedule(keys, ref.key_epoch)
+    return _open_and_check_content(obj, h, ks, fam_digest, ref, key, span)
+
+
+def _open_and_check_content(obj, h: ChunkHeader, ks: KeySchedule, fam_digest: bytes, ref: ChunkRef, key: StateKey | None, span: Span | None) -> bytes:
+    expect_key = chunk_object_key(
+        ks.object_identity, h.tenant, fam_digest, h.content_id, ref.key_epoch, h.codec, h.codec_version, h.encrypted, h.salt, h.nonce, h.sidecar or None
+    )
+    if h.content_id != ref.content_id or h.object_key != ref.object_key or h.object_key != expect_key:
+        raise fail("authentication", "chunk: content id / object key mismatch")
+    payload = memoryview(obj)[C.HEADER_BYTES : C.HEADER_BYTES + h.stored_bytes]
+    if h.encrypted:
+        data_key = chunk_data_key(ks.chunk_encryption, h.salt, h.content_id, h.object_key)
+        frame: bytes | memoryview = open_sealed(data_key, h.nonce, payload, bytes(obj[: C.HEADER_BYTES]), "chunk")
+    else:
+        frame = payload
+    plaintext = decode_frame(h.codec, frame, h.plaintext_bytes)
+    if key is not None and span is not None:
+        content = chunk_content_id(
+            ks.chunk_identity, h.tenant, fam_digest, key.layer, key.name, span.token_start, span.token_count, span.plaintext_offset, plaintext
+        )
+        if content != h.content_id:
+            raise fail("authentication", "chunk: content id does not match the plaintext")
+    return plaintext
+
+
+def verify_chunk_standalone(obj: bytes | memoryview, keys: Keys) -> tuple[ChunkHeader, bytes]:
+    """Verify what a chunk can prove without its manifest: structure, header digest, object
+    key, AEAD tag and frame. The ref binding (object digest) and the content id need the
+    manifest's ref and span; use :func:`decode_chunk` for those."""
+    h = _structural(obj)
+    if header_digest(bytes(obj[: C.HEADER_BYTES])) != h.header_digest:
+        raise fail("authentication", "chunk: header digest mismatch")
+    ks = _schedule(keys, h.key_epoch)
+    self_ref = ChunkRef(h.content_id, h.object_key, b"", h.key_epoch, h.plaintext_bytes, len(obj))
+    plaintext = _open_and_check_content(obj, h, ks, h.family_digest, self_ref, None, None)
+    return h, plaintext
