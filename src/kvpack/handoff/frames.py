@@ -1,0 +1,274 @@
+"""The KVPKV2 frame codec (INTEROP C.2-C.3, errata M1/M4): bytes <-> :mod:`events`.
+
+Wire form of every frame::
+
+    b"KVPKV2\\0\\0" | u32 LE header_len | u64 LE payload_len | header JSON | payload
+
+Decoding is incremental and bounded. :class:`FrameDecoder` exposes the buffer it wants
+filled next (:meth:`FrameDecoder.wanted`), so a socket driver can ``recv_into`` it
+directly; it never asks for a byte beyond the current frame, so it never holds more than
+one frame. Limits are checked *before* any allocation: the header buffer is allocated only
+after the header length passed the 8 MiB limit, and the payload buffer only after the
+header parsed and the frame kind proved that a payload of that size is allowed (control
+frames carry none; a segment carries at least one byte; 512 MiB at most). :meth:`feed` is a
+convenience over the same machinery for callers that already hold bytes.
+
+Header key order is free on the wire (Rust sends ``kind`` first, Python sorted keys); we
+send canonical sorted JSON like the Python producer. Frame headers are parsed strictly but
+are not required to be canonical (C.7).
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, replace
+from typing import Optional
+
+from ..errors import ProtocolError
+from . import canonical_json as cj
+from .delta import lift_prefix_cut
+from .events import Abort, Ack, Begin, Frame, Seal, Segment
+from .manifest import BeginManifestV2, SealManifestV2, SegmentDescriptorV2
+
+MAGIC = b"KVPKV2\0\0"
+PREAMBLE = struct.Struct("<8sIQ")
+PREAMBLE_BYTES = PREAMBLE.size  # 20
+MAX_HEADER_BYTES = 8 * 1024 * 1024
+MAX_PAYLOAD_BYTES = 512 * 1024 * 1024
+
+CONTROL_KINDS = frozenset({"begin", "seal", "ack", "abort"})
+
+
+@dataclass(frozen=True)
+class FrameLimits:
+    """``FrameLimitsV2``; tests shrink them, production keeps the defaults."""
+
+    max_header: int = MAX_HEADER_BYTES
+    max_payload: int = MAX_PAYLOAD_BYTES
+
+
+# --- encoding --------------------------------------------------------------------------
+
+
+def _header_json(frame: Frame) -> dict:
+    if isinstance(frame, Begin):
+        manifest = frame.manifest.to_json()
+        # The Python producer emits prefix_cut only when nonzero (C.11); absent means 0.
+        if frame.prefix_cut:
+            manifest["prefix_cut"] = frame.prefix_cut
+        return {"kind": "begin", "manifest": manifest}
+    if isinstance(frame, Segment):
+        header: dict = {"kind": "segment", "sequence": frame.sequence}
+        if frame.descriptor is not None:
+            header["descriptor"] = frame.descriptor.to_json()
+        return header
+    if isinstance(frame, Seal):
+        return {"kind": "seal", "manifest": frame.manifest.to_json()}
+    if isinstance(frame, Ack):
+        return {"kind": "ack", "transfer_id": frame.transfer_id, "generation": frame.generation}
+    if isinstance(frame, Abort):
+        return {"kind": "abort", "reason": frame.reason}
+    raise TypeError(f"not a Handoff V2 frame: {frame!r}")
+
+
+def encode_frame(frame: Frame, limits: FrameLimits = FrameLimits()) -> list:
+    """Encode ``frame`` as a list of buffers: ``[preamble+header]`` or, for a segment,
+    ``[preamble+header, payload]`` where ``payload`` is the caller's own buffer (no copy).
+
+    The list suits ``socket.sendmsg`` / ``writelines``; ``b"".join`` gives the bytes.
+    Encoding refuses what the decoder would refuse, so a local bug never reaches the wire.
+    """
+    header = cj.canonical_bytes(_header_json(frame))
+    if not 0 < len(header) <= limits.max_header:
+        raise ProtocolError("framing", f"header of {len(header)} bytes exceeds the limit", remote=False)
+    if isinstance(frame, Segment):
+        payload = frame.payload
+        n = payload.nbytes if isinstance(payload, memoryview) else len(payload)
+        if n == 0:
+            raise ProtocolError("framing", "empty segment", remote=False)
+        if n > limits.max_payload:
+            raise ProtocolError("framing", f"payload of {n} bytes exceeds the limit", remote=False)
+        return [PREAMBLE.pack(MAGIC, len(header), n) + header, payload]
+    return [PREAMBLE.pack(MAGIC, len(header), 0) + header]
+
+
+def frame_bytes(frame: Frame, limits: FrameLimits = FrameLimits()) -> bytes:
+    """The whole frame as one ``bytes`` (copies the payload; for tests and small frames)."""
+    return b"".join(bytes(b) for b in encode_frame(frame, limits))
+
+
+# --- typed header parse ----------------------------------------------------------------
+
+
+def parse_header(header: object, payload: memoryview) -> Frame:
+    """Turn a parsed header object plus its payload into a frame event (C.3 allow-lists)."""
+    if not isinstance(header, dict):
+        raise ProtocolError("json", "frame header is not a JSON object")
+    kind = header.get("kind")
+    if type(kind) is not str:
+        raise ProtocolError("json", "frame header has no string 'kind'")
+    if kind == "begin":
+        cj.check_keys(header, "begin frame", ("kind", "manifest"))
+        raw = header["manifest"]
+        # Lift prefix_cut from the raw JSON before the typed parse drops it (C.8 step 1).
+        cut = lift_prefix_cut(raw) if isinstance(raw, dict) else 0
+        return Begin(BeginManifestV2.from_json(raw), cut)
+    if kind == "segment":
+        cj.check_keys(header, "segment frame", ("kind", "sequence"), ("descriptor",))
+        seq = cj.u32(header["sequence"], "segment.sequence")
+        raw_d = header.get("descriptor")
+        descriptor = None if raw_d is None else SegmentDescriptorV2.from_json(raw_d)
+        if descriptor is not None and descriptor.sequence != seq:
+            raise ProtocolError("sequence", f"descriptor sequence {descriptor.sequence} != frame {seq}")
+        return Segment(seq, payload, descriptor)
+    if kind == "seal":
+        cj.check_keys(header, "seal frame", ("kind", "manifest"))
+        return Seal(SealManifestV2.from_json(header["manifest"]))
+    if kind == "ack":
+        cj.check_keys(header, "ack frame", ("kind", "transfer_id", "generation"))
+        return Ack(cj.string(header["transfer_id"], "ack.transfer_id"), cj.u64(header["generation"], "ack.generation"))
+    if kind == "abort":
+        cj.check_keys(header, "abort frame", ("kind", "reason"))
+        return Abort(cj.string(header["reason"], "abort.reason"))
+    raise ProtocolError("framing", f"unknown frame kind {kind[:64]!r}")
+
+
+# --- decoding --------------------------------------------------------------------------
+
+_EMPTY = memoryview(b"")
+
+
+class FrameDecoder:
+    """Incremental KVPKV2 decoder: bytes in (any split), frame events out.
+
+    Phases: preamble (20 B) -> header (n B) -> payload (m B) -> event. After a refusal the
+    decoder is dead: every later call raises the same error, so a driver cannot resume a
+    stream whose framing is lost.
+    """
+
+    def __init__(self, limits: FrameLimits = FrameLimits()) -> None:
+        self.limits = limits
+        self._preamble = bytearray(PREAMBLE_BYTES)
+        self._buf: bytearray = self._preamble
+        self._view = memoryview(self._buf)
+        self._filled = 0
+        self._phase = "preamble"
+        self._payload_len = 0
+        self._pending: Optional[Segment] = None
+        self._error: Optional[ProtocolError] = None
+        self.frames_decoded = 0
+
+    # The two-verb interface for zero-copy drivers.
+
+    def wanted(self) -> memoryview:
+        """Writable view of the bytes the current frame still needs (never beyond it)."""
+        self._check_alive()
+        return self._view[self._filled :]
+
+    def advance(self, n: int) -> Optional[Frame]:
+        """Record that ``n`` bytes were written into :meth:`wanted`; returns a frame when
+        one completes, else None."""
+        self._check_alive()
+        if n < 0 or self._filled + n > len(self._buf):
+            raise ValueError("advance beyond the wanted buffer")
+        self._filled += n
+        try:
+            return self._step()
+        except ProtocolError as exc:
+            self._error = exc
+            raise
+
+    def feed(self, data: bytes | bytearray | memoryview) -> list[Frame]:
+        """Consume all of ``data``; return the frames it completes, in order."""
+        src = memoryview(data).cast("B")
+        out: list[Frame] = []
+        pos = 0
+        total = len(src)
+        # Zero-length phases (none exist today) would loop forever; wanted() is never empty
+        # between frames because the preamble is 20 bytes.
+        while pos < total:
+            dst = self.wanted()
+            k = min(len(dst), total - pos)
+            dst[:k] = src[pos : pos + k]
+            pos += k
+            frame = self.advance(k)
+            if frame is not None:
+                out.append(frame)
+        return out
+
+    @property
+    def at_boundary(self) -> bool:
+        """True when no partial frame is buffered (a clean place for the stream to end)."""
+        return self._phase == "preamble" and self._filled == 0
+
+    @property
+    def buffered_bytes(self) -> int:
+        """Bytes currently held for the partial frame (bounded by one frame's limits)."""
+        return len(self._buf)
+
+    def eof(self) -> None:
+        """The stream ended; refuse if a frame was cut short (C.2 "truncated")."""
+        self._check_alive()
+        if not self.at_boundary:
+            what = "segment payload" if self._phase == "payload" else f"frame {self._phase}"
+            self._error = ProtocolError("framing", f"truncated {what}")
+            raise self._error
+
+    # Internals.
+
+    def _check_alive(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def _set_buffer(self, buf: bytearray, phase: str) -> None:
+        self._buf = buf
+        self._view = memoryview(buf)
+        self._filled = 0
+        self._phase = phase
+
+    def _step(self) -> Optional[Frame]:
+        if self._filled < len(self._buf):
+            return None
+        if self._phase == "preamble":
+            magic, hlen, plen = PREAMBLE.unpack(self._preamble)
+            if magic != MAGIC:
+                raise ProtocolError("framing", "bad frame magic")
+            if hlen == 0 or hlen > self.limits.max_header:
+                raise ProtocolError("framing", f"header length {hlen} outside 1..={self.limits.max_header}")
+            if plen > self.limits.max_payload:
+                raise ProtocolError("framing", f"payload length {plen} exceeds {self.limits.max_payload}")
+            self._payload_len = plen
+            self._set_buffer(bytearray(hlen), "header")
+            return None
+        if self._phase == "header":
+            header = cj.parse_json(self._view, self.limits.max_header)
+            kind = header.get("kind") if isinstance(header, dict) else None
+            # Payload rules are decided by the header, before the payload is allocated.
+            if kind in CONTROL_KINDS and self._payload_len != 0:
+                raise ProtocolError("framing", f"{kind} frame carries a payload")
+            if kind == "segment" and self._payload_len == 0:
+                raise ProtocolError("framing", "empty segment")
+            # The typed parse runs now, so a malformed or unknown header is refused before
+            # a single payload byte is allocated or read.
+            frame = parse_header(header, _EMPTY)
+            if self._payload_len == 0:
+                return self._finish(frame)
+            self._pending = frame
+            self._set_buffer(bytearray(self._payload_len), "payload")
+            return None
+        # payload complete: attach it by reference to the already-parsed header.
+        return self._finish(replace(self._pending, payload=self._view))
+
+    def _finish(self, frame: Frame) -> Frame:
+        self._pending = None
+        self._set_buffer(self._preamble, "preamble")
+        self.frames_decoded += 1
+        return frame
+
+
+def decode_all(data: bytes, limits: FrameLimits = FrameLimits()) -> list[Frame]:
+    """Decode a complete byte string into frames, refusing trailing partial frames."""
+    dec = FrameDecoder(limits)
+    frames = dec.feed(data)
+    dec.eof()
+    return frames

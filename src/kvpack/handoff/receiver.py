@@ -1,0 +1,355 @@
+"""The decode-node side of Handoff V2 (INTEROP C.8, errata H4/L4/M3/M4), sans-I/O.
+
+    r = Receiver(config, sink, replay, now_unix_ms=t0, held_token_ids=held)
+    effects = r.receive_data(chunk)      # or r.wanted() / r.advance(n) for recv_into
+    ...                                   # Committed(ack=...) -> write ack, close
+    r.eof()                               # stream ended: refuses unless committed
+
+Order of work, exactly C.8 / errata L4:
+
+1. The first frame must be a begin (``prefix_cut`` lifted from its raw JSON); a begin that
+   names another request is refused (``identity``) while :attr:`admitted` is still False,
+   so the daemon drops that connection and keeps waiting (errata M8).
+2. ``replay.admit(key_id, epoch, generation)``.
+3. Expiry against the clock value taken once at request start.
+4. ``validate_begin`` (C.4), admission expectations, ``validate_prefix_cut`` (C.11), and the
+   declared schedule; then ``sink.begin`` opens a *detached* generation.
+5. Each segment: sequence contiguity, mode-matching frame form (M4), descriptor rules,
+   overlap, schedule witness, length, per-segment SHA-256, the running descriptor and
+   payload digests -- and only then ``sink.write_segment`` into the detached generation.
+6. Seal: all counts and digests, the HMAC (constant time), completeness, ``sink.prepare``,
+   then ``replay.reserve`` (durable), then ``sink.commit``, then the ack is emitted.
+
+Any refusal before commit calls ``sink.abort()`` exactly once and leaves the machine
+CLOSED: the live state was never touched, because the sink only publishes in ``commit``.
+After commit the transfer is final and later bytes are ignored (errata H4).
+
+Payloads reach the sink as ``memoryview``s of the decoder's per-frame buffer; each frame
+gets a fresh buffer, so a view stays valid for as long as the sink keeps it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac as _hmac
+from dataclasses import dataclass
+from typing import Optional, Protocol, Sequence, Union
+
+from ..errors import KvpackError, ProtocolError
+from .admission import AdmissionExpectations, check_admission, check_transfer_id
+from .delta import ScheduleWitness, check_declared_schedule, validate_prefix_cut
+from .events import Abort, Ack, Begin, Seal, Segment
+from .frames import FrameDecoder, FrameLimits, frame_bytes
+from .manifest import (
+    BeginManifestV2,
+    OverlapTracker,
+    SealAccumulator,
+    SegmentDescriptorV2,
+    check_descriptor,
+    check_seal,
+    validate_begin,
+)
+from .schedule import MUSE, SpanLayout, schedule_span
+from .state import RECEIVER_TRANSITIONS, ReceiverState, transition
+
+
+class Sink(Protocol):
+    """Where verified segments go: a detached generation published only by ``commit``.
+
+    ``begin`` may refuse (identity admission of the engine side); ``write_segment``
+    receives payloads already checked against their descriptor digest; ``prepare`` must
+    prove the generation is complete and installable; ``commit`` publishes atomically and
+    should not fail; ``abort`` discards the detached generation (called at most once, never
+    after commit).
+    """
+
+    def begin(self, manifest: BeginManifestV2, prefix_cut: int) -> None: ...
+    def write_segment(self, descriptor: SegmentDescriptorV2, payload: memoryview) -> None: ...
+    def prepare(self) -> None: ...
+    def commit(self) -> None: ...
+    def abort(self) -> None: ...
+
+
+class ReplayGate(Protocol):
+    """The replay ledger seam (C.9): ``admit`` before any work, ``reserve`` durably after
+    the seal verified and before commit. Either refuses by raising."""
+
+    def admit(self, key_id: str, epoch: int, generation: int) -> None: ...
+    def reserve(self, key_id: str, epoch: int, generation: int) -> None: ...
+
+
+@dataclass(frozen=True)
+class ReceiverConfig:
+    """Static receiver settings (from ``ReceiverConfigV2``)."""
+
+    key: bytes
+    key_id: str
+    minimum_epoch: int
+    #: The span layout target segments must follow (errata M3). None disables the schedule
+    #: check: the sink must then enforce contiguity and coverage itself.
+    layout: Optional[SpanLayout] = MUSE
+    expectations: Optional[AdmissionExpectations] = None
+    limits: FrameLimits = FrameLimits()
+
+    def __post_init__(self) -> None:
+        if len(self.key) != 32:
+            raise ValueError("Handoff V2 seal keys are 32 bytes")
+
+
+# Effects the driver acts on (h11 style events going out).
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """The begin passed every admission check and the sink opened its generation."""
+
+    manifest: BeginManifestV2
+    prefix_cut: int
+
+
+@dataclass(frozen=True)
+class SegmentStored:
+    sequence: int
+    byte_len: int
+
+
+@dataclass(frozen=True)
+class Committed:
+    """Sealed, reserved and committed. Write ``ack`` and close; read nothing more."""
+
+    transfer_id: str
+    generation: int
+    segment_count: int
+    total_bytes: int
+    ack: bytes
+
+
+Effect = Union[Admitted, SegmentStored, Committed]
+
+
+class Receiver:
+    """Receiver state machine: AWAIT_BEGIN -> RECEIVING -> DONE (or CLOSED)."""
+
+    def __init__(
+        self,
+        config: ReceiverConfig,
+        sink: Sink,
+        replay: ReplayGate,
+        *,
+        now_unix_ms: int,
+        held_token_ids: Optional[Sequence[int]] = None,
+    ) -> None:
+        self.config = config
+        self.sink = sink
+        self.replay = replay
+        self.now_unix_ms = now_unix_ms
+        self.held_token_ids = held_token_ids
+        self.state = ReceiverState.AWAIT_BEGIN
+        self.decoder = FrameDecoder(config.limits)
+        self.manifest: Optional[BeginManifestV2] = None
+        self.prefix_cut = 0
+        self.error: Optional[ProtocolError] = None
+        self._sink_open = False
+        self._acc = SealAccumulator()
+        self._overlap = OverlapTracker()
+        self._witness: Optional[ScheduleWitness] = None
+        self._ids: set[str] = set()
+        self._seen: set[str] = set()
+        self._next = 0
+
+    # -- inputs -------------------------------------------------------------------------
+
+    @property
+    def admitted(self) -> bool:
+        """True once a begin passed admission (failures before that are "wrong peer")."""
+        return self.manifest is not None and self._sink_open
+
+    @property
+    def segments_received(self) -> int:
+        return self._next
+
+    @property
+    def bytes_received(self) -> int:
+        return self._acc.total_bytes
+
+    def wanted(self) -> memoryview:
+        """Buffer for ``recv_into``; empty once the transfer is final."""
+        if self.state is ReceiverState.DONE:
+            return memoryview(b"")
+        self._check_open()
+        try:
+            return self.decoder.wanted()
+        except ProtocolError as exc:
+            self._fail(exc)
+
+    def advance(self, n: int) -> list[Effect]:
+        if self.state is ReceiverState.DONE:
+            return []
+        self._check_open()
+        try:
+            frame = self.decoder.advance(n)
+        except ProtocolError as exc:
+            self._fail(exc)
+        return [] if frame is None else self.receive_frame(frame)
+
+    def receive_data(self, data) -> list[Effect]:
+        """Feed bytes in any split. Bytes after the commit are ignored (errata H4)."""
+        src = memoryview(data).cast("B")
+        effects: list[Effect] = []
+        pos = 0
+        while pos < len(src) and self.state is not ReceiverState.DONE:
+            dst = self.wanted()
+            k = min(len(dst), len(src) - pos)
+            dst[:k] = src[pos : pos + k]
+            pos += k
+            effects.extend(self.advance(k))
+        return effects
+
+    def eof(self) -> None:
+        """The peer closed. Refuses (and aborts the sink) unless the transfer committed."""
+        if self.state is ReceiverState.DONE:
+            return
+        self._check_open()
+        try:
+            self.decoder.eof()
+        except ProtocolError as exc:
+            self._fail(exc)
+        self._fail(ProtocolError("aborted", "stream ended before the seal"))
+
+    def abort(self, reason: str) -> None:
+        """Local abort (timeout, shutdown): discard the detached generation."""
+        if self.state in (ReceiverState.DONE, ReceiverState.CLOSED):
+            return
+        self._fail(ProtocolError("aborted", reason, remote=False), raise_it=False)
+
+    def receive_frame(self, frame) -> list[Effect]:
+        if self.state is ReceiverState.DONE:
+            return []
+        self._check_open()
+        event = type(frame).__name__.lower()
+        try:
+            new_state = transition(RECEIVER_TRANSITIONS, self.state, event, remote=True)
+            if isinstance(frame, Begin):
+                effects = self._on_begin(frame)
+            elif isinstance(frame, Segment):
+                effects = self._on_segment(frame)
+            elif isinstance(frame, Seal):
+                effects = self._on_seal(frame)
+            elif isinstance(frame, Abort):
+                raise ProtocolError("aborted", f"producer abort: {frame.reason[:256]}")
+            else:  # pragma: no cover - the table refuses every other kind
+                raise ProtocolError("state", f"unexpected {event}")
+        except ProtocolError as exc:
+            self._fail(exc)
+        except KvpackError as exc:
+            # Injected collaborators raise their own typed errors; keep their category in
+            # the message and map them onto the step that failed.
+            self._fail(ProtocolError("sink", f"{exc.category}: {exc.message}", remote=False))
+        self.state = new_state
+        return effects
+
+    # -- failure ------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self.state is ReceiverState.CLOSED:
+            raise ProtocolError("state", "receiver is closed", remote=False)
+
+    def _fail(self, exc: ProtocolError, raise_it: bool = True):
+        self.error = exc
+        self.state = ReceiverState.CLOSED
+        if self._sink_open:
+            self._sink_open = False
+            try:
+                self.sink.abort()
+            except Exception:  # the refusal that got us here is the one to report
+                pass
+        if raise_it:
+            raise exc
+
+    def _call(self, category: str, fn, *args) -> None:
+        """Run an injected callback; any exception it raises becomes ``category``."""
+        try:
+            fn(*args)
+        except ProtocolError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any callback failure must abort
+            detail = exc.verdict() if isinstance(exc, KvpackError) else f"{type(exc).__name__}: {exc}"
+            raise ProtocolError(category, detail, remote=False) from exc
+
+    # -- handlers -----------------------------------------------------------------------
+
+    def _on_begin(self, frame: Begin) -> list[Effect]:
+        m = frame.manifest
+        cfg = self.config
+        check_transfer_id(cfg.expectations, m)
+        self._call("replay", self.replay.admit, m.hmac.key_id, m.hmac.epoch, m.generation)
+        if self.now_unix_ms > m.expires_unix_ms:
+            raise ProtocolError("expired", f"begin expired at {m.expires_unix_ms}, now {self.now_unix_ms}")
+        validate_begin(m, now_unix_ms=self.now_unix_ms, expected_key_id=cfg.key_id, minimum_epoch=cfg.minimum_epoch)
+        if cfg.expectations is not None:
+            check_admission(m, cfg.expectations)
+        validate_prefix_cut(m, frame.prefix_cut, self.held_token_ids, cfg.layout)
+        if cfg.layout is not None and m.component(cfg.layout.component_id) is not None:
+            expected = schedule_span(cfg.layout, m.position, frame.prefix_cut)
+            self._witness = ScheduleWitness(expected, cfg.layout.component_id)
+            if not m.deferred_segments:
+                check_declared_schedule(m, cfg.layout, frame.prefix_cut)
+        self.manifest = m
+        self.prefix_cut = frame.prefix_cut
+        self._ids = {c.id for c in m.components}
+        self._sink_open = True
+        self._call("sink", self.sink.begin, m, frame.prefix_cut)
+        return [Admitted(m, frame.prefix_cut)]
+
+    def _on_segment(self, frame: Segment) -> list[Effect]:
+        m = self.manifest
+        seq = self._next
+        if frame.sequence != seq:
+            raise ProtocolError("sequence", f"segment {frame.sequence} where {seq} was expected")
+        if m.deferred_segments:
+            if frame.descriptor is None:
+                raise ProtocolError("sequence", "extra segment: deferred mode needs in-frame descriptors")
+            d = frame.descriptor
+            check_descriptor(d, self._ids)
+            self._overlap.add(d)
+        else:
+            if frame.descriptor is not None:
+                raise ProtocolError("sequence", "deferred segment outside deferred receiving mode")
+            if seq >= len(m.segments):
+                raise ProtocolError("sequence", f"extra segment {seq} beyond the {len(m.segments)} declared")
+            d = m.segments[seq]
+        if self._witness is not None:
+            self._witness.observe(d)
+        payload = frame.payload
+        if payload.nbytes != d.byte_len:
+            raise ProtocolError("digest", f"segment {seq}: {payload.nbytes} payload bytes, descriptor says {d.byte_len}")
+        got = hashlib.sha256(payload).hexdigest()
+        if not _hmac.compare_digest(got.encode(), d.sha256.encode()):
+            raise ProtocolError("digest", f"segment {seq}: payload SHA-256 does not match its descriptor")
+        self._acc.add_descriptor(d)
+        self._acc.add_payload(payload)
+        self._seen.add(d.component_id)
+        self._next += 1
+        self._call("sink", self.sink.write_segment, d, payload)
+        return [SegmentStored(seq, d.byte_len)]
+
+    def _on_seal(self, frame: Seal) -> list[Effect]:
+        m = self.manifest
+        if not m.deferred_segments and self._next != len(m.segments):
+            raise ProtocolError("sequence", f"seal after {self._next} of {len(m.segments)} declared segments")
+        if m.deferred_segments:
+            if self._next == 0:
+                raise ProtocolError("sequence", "seal before any segment")
+            missing = [c.id for c in m.components if c.required and c.id not in self._seen]
+            if missing:
+                raise ProtocolError("sequence", f"required component {missing[0]!r} has no segment")
+        check_seal(self.config.key, frame.manifest, self._acc.core(m))
+        if self._witness is not None:
+            self._witness.finish()
+        self._call("sink", self.sink.prepare)
+        self._call("reservation", self.replay.reserve, m.hmac.key_id, m.hmac.epoch, m.generation)
+        self._call("sink", self.sink.commit)
+        # Committed: from here on nothing may abort the sink.
+        self._sink_open = False
+        ack = frame_bytes(Ack(m.transfer_id, m.generation), self.config.limits)
+        return [Committed(m.transfer_id, m.generation, self._next, self._acc.total_bytes, ack)]
