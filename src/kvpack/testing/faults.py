@@ -81,9 +81,20 @@ class FaultyOps(FileOps):
             return None
 
     @staticmethod
-    def _put(path: str, content: bytes) -> None:
+    def _mode_or_none(path: str) -> int | None:
+        try:
+            return os.lstat(path).st_mode & 0o7777
+        except FileNotFoundError:
+            return None
+
+    @staticmethod
+    def _put(path: str, content: bytes, mode: int | None = None) -> None:
         with open(path, "wb") as fh:
             fh.write(content)
+        # A restored file is the old inode as far as the model goes: it keeps its old permission
+        # bits (open() would otherwise create it with the umask default, e.g. 0644).
+        if mode is not None:
+            os.chmod(path, mode)
 
     # -- FileOps ----------------------------------------------------------------------------
     def open_excl(self, path: str, mode: int) -> int:
@@ -113,10 +124,11 @@ class FaultyOps(FileOps):
         self._step("rename")
         src, dst = os.path.abspath(src), os.path.abspath(dst)
         prior = self._read_or_none(dst)
+        prior_mode = self._mode_or_none(dst)
         super().rename(src, dst)
         if src in self._dirty:
             self._dirty[dst] = self._dirty.pop(src)
-        self._pending.append((self._dir(dst), "rename", src, dst, prior))
+        self._pending.append((self._dir(dst), "rename", src, dst, prior, prior_mode))
 
     def fsync_dir(self, path: str) -> None:
         self._step("dirsync")
@@ -128,10 +140,11 @@ class FaultyOps(FileOps):
         self._step("unlink")
         path = os.path.abspath(path)
         content = self._read_or_none(path)
+        mode = self._mode_or_none(path)
         super().unlink(path)
         self._dirty.pop(path, None)
         if content is not None:
-            self._pending.append((self._dir(path), "unlink", path, content))
+            self._pending.append((self._dir(path), "unlink", path, content, mode))
 
     def mkdir(self, path: str, mode: int) -> None:
         self._step("mkdir")
@@ -151,13 +164,13 @@ class FaultyOps(FileOps):
                 if os.path.exists(entry[2]):
                     os.unlink(entry[2])
             elif op == "rename":
-                _, _, src, dst, prior = entry
+                _, _, src, dst, prior, prior_mode = entry
                 if os.path.exists(dst):
                     os.rename(dst, src)
                 if prior is not None:
-                    self._put(dst, prior)
+                    self._put(dst, prior, prior_mode)
             elif op == "unlink":
-                self._put(entry[2], entry[3])
+                self._put(entry[2], entry[3], entry[4])
             elif op == "mkdir":
                 shutil.rmtree(entry[2], ignore_errors=True)
         self._dirty.clear()
