@@ -1,0 +1,181 @@
+"""Describe any production-v1 object as a JSON-able dict (for ``kvpack inspect``).
+
+Detection is by magic. Keyless where the object allows it: a plain pack shows its whole
+manifest; an encrypted pack shows its header unless a key ring is given.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+from . import constants as C
+from .chunk import ChunkHeader, KeyRing, _structural
+from .codec import decode_frame
+from .objects import Family, Manifest, Schema, StateDeclaration
+from .pack import decode_pack, pack_structure
+from .sidecar import StatsSidecar
+from .wire import fail
+
+KIND_BY_MAGIC = {
+    C.MAGIC_PACK: "pack",
+    C.MAGIC_CHUNK: "chunk",
+    C.MAGIC_MANIFEST: "manifest",
+    C.MAGIC_FAMILY: "family",
+    C.MAGIC_SCHEMA: "schema",
+    C.MAGIC_STATE: "state_declaration",
+    C.MAGIC_RAW: "raw_frame",
+    C.MAGIC_LOSSLESS: "lossless_frame",
+    C.MAGIC_SIDECAR: "stats_sidecar",
+}
+
+
+def detect_kind(data: bytes) -> str:
+    if len(data) < 8:
+        raise fail("truncated", f"{len(data)} bytes: too short to hold a magic")
+    kind = KIND_BY_MAGIC.get(bytes(data[:8]))
+    if kind is None:
+        raise fail("bad_magic", f"unknown magic {bytes(data[:8])!r}")
+    return kind
+
+
+def _family(f: Family) -> dict[str, Any]:
+    return {
+        "digest": f.digest().hex(),
+        "mode": {1: "native", 2: "portable"}.get(f.mode, f.mode),
+        "page_size_tokens": f.page_size_tokens,
+        "engine_cache_abi": f.engine_cache_abi.hex(),
+        "states": [
+            {
+                "key": str(s.key),
+                "dtype": C.DTYPE_NAMES.get(s.dtype, s.dtype),
+                "codec": {1: "raw", 2: "lossless"}.get(s.codec, s.codec),
+                "dims": list(s.dims),
+                "token_axis": s.token_axis,
+                "bytes_per_token": s.elements_per_token * C.DTYPE_WIDTHS.get(s.dtype, 0),
+            }
+            for s in f.states
+        ],
+    }
+
+
+def _schema(s: Schema) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "kind": "delta" if s.parent else "full",
+        "depth": s.depth,
+        "segment_restored_bytes": s.segment_restored_bytes,
+        "complete_restored_bytes": s.complete_restored_bytes,
+        "states": [
+            {
+                "key": str(r.key),
+                "full_shape": list(r.full_shape),
+                "segment_shape": list(r.segment_shape),
+                "logical_start": r.logical_start,
+                "logical_count": r.logical_count,
+                "spans": [[sp.token_start, sp.token_count, sp.plaintext_offset, sp.plaintext_bytes] for sp in r.spans],
+            }
+            for r in s.states
+        ],
+        "groups": [{"id": g.group_id, "keys": [str(k) for k in g.keys]} for g in s.groups],
+    }
+    if s.parent:
+        out["parent_manifest_id"] = s.parent.manifest_id.hex()
+        out["parent_token_count"] = s.parent.cut.token_count
+    return out
+
+
+def _manifest(m: Manifest) -> dict[str, Any]:
+    return {
+        "manifest_id": m.manifest_id().hex(),
+        "tenant": m.tenant.hex(),
+        "key_epoch": m.key_epoch,
+        "semantic_model_digest": m.semantic.digest().hex(),
+        "token_count": m.cut.token_count,
+        "token_root": m.cut.token_root.hex(),
+        "aux_root": m.cut.aux_root.hex(),
+        "family": _family(m.family),
+        "schema": _schema(m.schema),
+        "chunks": [
+            {
+                "state": str(k),
+                "token_start": sp.token_start,
+                "token_count": sp.token_count,
+                "content_id": ref.content_id.hex(),
+                "object_key": ref.object_key.hex(),
+                "object_digest": ref.object_digest.hex(),
+                "plaintext_bytes": ref.plaintext_bytes,
+                "object_bytes": ref.object_bytes,
+                "key_epoch": ref.key_epoch,
+            }
+            for k, sp, ref in m.chunk_refs()
+        ],
+    }
+
+
+def describe(data: bytes, *, root: bytes | None = None) -> dict[str, Any]:
+    kind = detect_kind(data)
+    out: dict[str, Any] = {"kind": kind, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    if kind == "pack":
+        h, _f = pack_structure(data)
+        out.update(
+            tenant=h.tenant.hex(),
+            key_epoch=h.key_epoch,
+            encrypted=h.encrypted,
+            manifest_id=h.manifest_id.hex(),
+            stored_manifest_bytes=h.stored_bytes,
+            plaintext_manifest_bytes=h.plaintext_bytes,
+        )
+        if root is not None:
+            manifest, _ = decode_pack(data, KeyRing(root, h.tenant))
+            out["verified"] = True
+            out["manifest"] = _manifest(manifest)
+        elif not h.encrypted:
+            # keyless view: structural decode of the plain body (not authenticated)
+            body = bytes(data[C.HEADER_BYTES : len(data) - C.HEADER_BYTES])
+            out["verified"] = False
+            out["manifest"] = _manifest(Manifest.decode(body, validate=False))
+    elif kind == "chunk":
+        h = _structural(data)
+        out.update(
+            codec={1: "raw", 2: "lossless"}[h.codec],
+            encrypted=h.encrypted,
+            plaintext_bytes=h.plaintext_bytes,
+            encoded_bytes=h.encoded_bytes,
+            stored_bytes=h.stored_bytes,
+            key_epoch=h.key_epoch,
+            tenant=h.tenant.hex(),
+            family_digest=h.family_digest.hex(),
+            content_id=h.content_id.hex(),
+            object_key=h.object_key.hex(),
+            has_stats_sidecar=bool(h.sidecar),
+        )
+    elif kind == "manifest":
+        out["manifest"] = _manifest(Manifest.decode(data))
+    elif kind == "family":
+        out["family"] = _family(Family.decode(data))
+    elif kind == "schema":
+        out["schema"] = _schema(Schema.decode(data))
+    elif kind == "state_declaration":
+        d = StateDeclaration.decode(data)
+        out["state_declaration"] = {
+            "key": str(d.key),
+            "full_shape": list(d.full_shape),
+            "segment_shape": list(d.segment_shape),
+            "strides": list(d.strides),
+            "logical_start": d.logical_start,
+            "logical_count": d.logical_count,
+            "absolute_position": d.absolute_position,
+            "window": d.window,
+            "atomic_group": d.atomic_group,
+        }
+    elif kind in ("raw_frame", "lossless_frame"):
+        decoded = int.from_bytes(data[12:16], "little")
+        decode_frame(C.CODEC_RAW if kind == "raw_frame" else C.CODEC_LOSSLESS, data, decoded)
+        out["decoded_bytes"] = decoded
+    elif kind == "stats_sidecar":
+        s = StatsSidecar.decode(data)
+        out["stats_sidecar"] = {"channels": len(s.channel_ranges), "tokens": len(s.token_norms), "sinks": [list(x) for x in s.sinks]}
+    return out
+
+
+__all__ = ["describe", "detect_kind", "ChunkHeader"]
