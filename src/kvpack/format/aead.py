@@ -24,13 +24,13 @@ def manifest_data_key(manifest_encryption_key: bytes, salt: bytes, manifest_id: 
 
 def seal(key: bytes, nonce: bytes, plaintext: bytes | memoryview, aad: bytes) -> bytes:
     """Ciphertext with the 16-byte tag appended."""
-    return ChaCha20Poly1305(key).encrypt(nonce, bytes(plaintext) if isinstance(plaintext, memoryview) else plaintext, aad)
+    return ChaCha20Poly1305(key).encrypt(nonce, plaintext, aad)
 
 
 def open_sealed(key: bytes, nonce: bytes, sealed: bytes | memoryview, aad: bytes, what: str) -> bytes:
     if len(sealed) < C.AEAD_TAG_BYTES:
         raise fail("truncated", f"{what}: ciphertext shorter than its tag")
     try:
-        return ChaCha20Poly1305(key).decrypt(nonce, bytes(sealed) if isinstance(sealed, memoryview) else sealed, aad)
+        return ChaCha20Poly1305(key).decrypt(nonce, sealed, aad)
     except InvalidTag:
         raise fail("authentication", f"{what}: AEAD tag mismatch") from None
