@@ -38,7 +38,7 @@ def message(generation: int, body: bytes) -> bytes:
     return generation.to_bytes(8, "little") + len(body).to_bytes(8, "little") + body
 
 
-def raw_client(pki, *, cert: str | None = "client", alpn: list[str] | None = [DATA_ALPN],
+def raw_client(pki, *, cert: str | None = "client", alpn: tuple[str, ...] | list[str] | None = (DATA_ALPN,),
                tls12: bool = False) -> ssl.SSLContext:
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     ctx.load_verify_locations(pki.ca)
@@ -49,7 +49,7 @@ def raw_client(pki, *, cert: str | None = "client", alpn: list[str] | None = [DA
     if cert:
         ctx.load_cert_chain(pki.leaves[cert].cert, pki.leaves[cert].key)
     if alpn:
-        ctx.set_alpn_protocols(alpn)
+        ctx.set_alpn_protocols(list(alpn))
     return ctx
 
 
