@@ -1,0 +1,221 @@
+"""A NumPy engine adapter: KV planes held as plain arrays.
+
+It implements the same session protocol as the transformers adapter (``export_rows``,
+``export_logits``, ``begin_install`` -> detached install with ``write_rows`` / ``commit`` /
+``abort``) for engines that hand kvpack raw arrays, and it is what the store's crash and GC
+loops run in their many short-lived subprocesses (no model load). Its "forward pass" is a
+deterministic function of (layer, role, position, token), so two sessions fed the same tokens
+hold the same bytes, whatever the chunking.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import numpy as np
+
+from ..errors import EngineError
+from .contract import DTYPE_WIDTH, LAYER_FULL, LAYER_WINDOWED, CacheLayout, EngineIdentity, IdentityIds, LayerSpec
+
+
+def array_layout(layers: int = 4, kv_heads: int = 2, head_dim: int = 8, dtype: str = "f32", windowed: dict[int, int] | None = None, vocab: int = 64) -> CacheLayout:
+    windowed = windowed or {}
+    specs = []
+    for i in range(layers):
+        w = windowed.get(i, 0)
+        specs.append(LayerSpec(i, LAYER_WINDOWED if w else LAYER_FULL, kv_heads, head_dim, dtype, "rope" if w else "nope", window_tokens=w, attention_window=w + 1 if w else 0))
+    return CacheLayout(tuple(specs), vocab_size=vocab)
+
+
+class ArrayEngine:
+    def __init__(self, layout: CacheLayout, *, name: str = "arrays", scalars: dict[str, float] | None = None, max_context: int = 1 << 20) -> None:
+        self.layout = layout
+        self.max_context = max_context
+        self.identity = EngineIdentity(
+            model_name=name,
+            weights_digest=hashlib.sha256(name.encode()).hexdigest(),
+            config={"kind": "arrays"},
+            tokenizer_digest=hashlib.sha256(b"identity-tokenizer").hexdigest(),
+            chat_template_digest=hashlib.sha256(b"").hexdigest(),
+            context_policy={"max_context": max_context},
+            adapter={"name": "none"},
+            weight_precision="exact",
+            engine_abi={"engine": "kvpack.engine.arrays", "version": 1},
+            scalars=dict(scalars or {"scale": 1.0}),
+            layout=layout,
+        )
+
+    def ids(self) -> IdentityIds:
+        return self.identity.ids()
+
+    def check_identity(self, expected: EngineIdentity | IdentityIds) -> None:
+        ids = expected.ids() if isinstance(expected, EngineIdentity) else expected
+        if ids != self.ids():
+            raise EngineError("identity", "stored cache was written under another engine identity")
+
+    def new_session(self) -> "ArraySession":
+        return ArraySession(self)
+
+
+def _rows(spec: LayerSpec, role: str, positions: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    """Deterministic token-major rows (uint8 view) for the given absolute positions."""
+    n = positions.size
+    width = DTYPE_WIDTH[spec.dtype]
+    words = spec.row_bytes // 4 if spec.row_bytes % 4 == 0 else spec.row_bytes
+    base = (positions.astype(np.uint64) * np.uint64(0x9E3779B1) + tokens.astype(np.uint64) * np.uint64(0x85EBCA77))
+    base ^= np.uint64(spec.index * 2 + (1 if role == "v" else 0)) * np.uint64(0xC2B2AE3D)
+    lanes = np.arange(words, dtype=np.uint64)
+    mixed = (base[:, None] * np.uint64(2654435761) + lanes[None, :] * np.uint64(40503)) & np.uint64(0xFFFFFFFF)
+    if width in (2, 4) and spec.row_bytes % 4 == 0:
+        # keep float planes finite: a small integer cast to the plane's float type
+        vals = (mixed % np.uint64(2048)).astype(np.float32) - 1024.0
+        dt = {"f16": np.float16, "f32": np.float32, "bf16": np.float32}[spec.dtype]
+        arr = vals.astype(dt)
+        if spec.dtype == "bf16":
+            arr = (arr.view(np.uint32) >> 16).astype(np.uint16)
+        flat = arr.reshape(n, -1).view(np.uint8).reshape(n, -1)
+        return np.ascontiguousarray(flat[:, : spec.row_bytes])
+    return (mixed & np.uint64(0xFF)).astype(np.uint8).reshape(n, -1)[:, : spec.row_bytes]
+
+
+class ArraySession:
+    def __init__(self, engine: ArrayEngine) -> None:
+        self.engine = engine
+        self.layout = engine.layout
+        self.tokens: list[int] = []
+        self.planes: dict[tuple[int, str], np.ndarray] = {
+            (s.index, r): np.zeros((0, s.row_bytes), np.uint8) for s in self.layout.layers for r in self.layout.roles
+        }
+        self.last_logits: np.ndarray | None = None
+
+    @property
+    def position(self) -> int:
+        return len(self.tokens)
+
+    def prefill(self, token_ids: Sequence[int], chunk_size: int | None = None, on_chunk=None) -> None:
+        ids = [int(t) for t in token_ids]
+        step = chunk_size or max(1, len(ids))
+        i = 0
+        while i < len(ids):
+            pos = self.position
+            n = min(len(ids) - i, (pos // step + 1) * step - pos)
+            self._append(ids[i : i + n])
+            i += n
+            if on_chunk is not None:
+                on_chunk(self)
+
+    def _append(self, ids: list[int]) -> None:
+        start = self.position
+        positions = np.arange(start, start + len(ids))
+        toks = np.asarray(ids, dtype=np.int64)
+        self.tokens.extend(ids)
+        for spec in self.layout.layers:
+            lo, _hi = spec.retained_range(self.position)
+            for role in self.layout.roles:
+                plane = np.concatenate([self.planes[(spec.index, role)], _rows(spec, role, positions, toks)])
+                have_lo = self.position - plane.shape[0]
+                self.planes[(spec.index, role)] = plane[lo - have_lo :] if lo > have_lo else plane
+        h = hashlib.sha256(np.asarray(self.tokens, dtype="<u4").tobytes()).digest()
+        rng = np.random.default_rng(int.from_bytes(h[:8], "little"))
+        self.last_logits = rng.standard_normal(self.layout.vocab_size).astype(np.float32)
+
+    def retained_range(self, layer: int) -> tuple[int, int]:
+        return self.layout.retained_range(layer, self.position)
+
+    def export_rows(self, layer: int, role: str, start: int, stop: int) -> memoryview:
+        lo, hi = self.retained_range(layer)
+        if not lo <= start <= stop <= hi:
+            raise EngineError("layout", f"rows [{start}, {stop}) outside retained [{lo}, {hi})")
+        return memoryview(np.ascontiguousarray(self.planes[(layer, role)][start - lo : stop - lo])).cast("B")
+
+    def export_logits(self) -> memoryview:
+        if self.last_logits is None:
+            raise EngineError("install", "no final logits at this cut")
+        return memoryview(self.last_logits.astype("<f4")).cast("B")
+
+    def state_digest(self, layer: int, role: str) -> bytes:
+        lo, hi = self.retained_range(layer)
+        return hashlib.sha256(self.export_rows(layer, role, lo, hi)).digest()
+
+    def cache_digest(self) -> bytes:
+        h = hashlib.sha256(b"kvpack/engine/v1/session-cache\0")
+        h.update(self.position.to_bytes(8, "little"))
+        for layer, role in self.layout.states():
+            h.update(self.state_digest(layer, role))
+        if self.last_logits is not None:
+            h.update(hashlib.sha256(self.export_logits()).digest())
+        return h.digest()
+
+    def begin_install(self, cut: int, token_ids: Sequence[int], identity) -> "ArrayInstall":
+        self.engine.check_identity(identity)
+        return ArrayInstall(self, cut, token_ids)
+
+
+class ArrayInstall:
+    def __init__(self, session: ArraySession, cut: int, token_ids: Sequence[int]) -> None:
+        if len(token_ids) != cut or cut <= 0:
+            raise EngineError("install", f"{len(token_ids)} token ids for a cut of {cut}")
+        self.session = session
+        self.layout = session.layout
+        self.cut = cut
+        self.tokens = [int(t) for t in token_ids]
+        self.state = "open"
+        self._logits: np.ndarray | None = None
+        self._planes = {}
+        self._written = {}
+        for spec in self.layout.layers:
+            lo, hi = spec.retained_range(cut)
+            for role in self.layout.roles:
+                self._planes[(spec.index, role)] = np.zeros((hi - lo, spec.row_bytes), np.uint8)
+                self._written[(spec.index, role)] = np.zeros(hi - lo, dtype=bool)
+
+    def required_range(self, layer: int) -> tuple[int, int]:
+        return self.layout.retained_range(layer, self.cut)
+
+    def write_rows(self, layer: int, role: str, start: int, data) -> None:
+        if self.state != "open":
+            raise EngineError("install", f"install already {self.state}")
+        spec = self.layout.layer(layer)
+        view = np.frombuffer(data, dtype=np.uint8)
+        if view.size % spec.row_bytes:
+            raise EngineError("layout", "not a whole number of rows")
+        n = view.size // spec.row_bytes
+        lo, hi = spec.retained_range(self.cut)
+        if start < lo or start + n > hi:
+            raise EngineError("layout", f"rows [{start}, {start + n}) outside the needed [{lo}, {hi})")
+        written = self._written[(layer, role)]
+        if written[start - lo : start - lo + n].any():
+            raise EngineError("install", "rows written twice")
+        self._planes[(layer, role)][start - lo : start - lo + n] = view.reshape(n, spec.row_bytes)
+        written[start - lo : start - lo + n] = True
+
+    def write_logits(self, data) -> None:
+        view = np.frombuffer(data, dtype="<f4")
+        if view.size != self.layout.vocab_size:
+            raise EngineError("layout", "logits row size")
+        self._logits = view.astype(np.float32)
+
+    def missing(self):
+        return [(layer, role, int((~w).sum())) for (layer, role), w in self._written.items() if (~w).any()]
+
+    def commit(self, *, require_logits: bool = True) -> None:
+        if self.state != "open":
+            raise EngineError("install", f"install already {self.state}")
+        if self.missing():
+            raise EngineError("install", f"{len(self.missing())} states incomplete")
+        if require_logits and self._logits is None:
+            raise EngineError("install", "no final-logits row")
+        s = self.session
+        s.planes = self._planes
+        s.tokens = list(self.tokens)
+        s.last_logits = self._logits
+        self.state = "committed"
+
+    def abort(self) -> None:
+        if self.state == "open":
+            self.state = "aborted"
+            self._planes = {}
+
+
+__all__ = ["ArrayEngine", "ArraySession", "ArrayInstall", "array_layout", "LAYER_WINDOWED"]

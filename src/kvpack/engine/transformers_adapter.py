@@ -1,0 +1,648 @@
+"""The Hugging Face transformers adapter: DynamicCache <-> kvpack states, bit-exactly.
+
+Mapping (transformers 5.19): ``DynamicCache.layers[i]`` is a ``DynamicLayer`` (full span) or
+a ``DynamicSlidingWindowLayer`` (windowed). Each holds ``keys``/``values`` of shape
+``[batch=1, kv_heads, rows, head_dim]``. A full layer at position ``P`` holds rows
+``[0, P)``. A sliding layer with window ``W`` holds the last ``W - 1`` rows
+``[max(0, P - W + 1), P)`` (a query at ``p`` attends to ``[p - W + 1, p]``, so ``W - 1`` past
+rows suffice) and counts absolute positions in ``cumulative_length``, which drives the
+attention mask and must therefore be restored as ``P``, not as the number of rows.
+
+The state plane of ``(layer, role)`` is token-major: ``keys[0].transpose(0, 1)`` gives
+``[rows, kv_heads, head_dim]``, exported as contiguous little-endian bytes.
+
+Determinism (what "same computation order" means here, see docs/engine.md):
+
+* Prefill runs in chunks whose boundaries are *absolute* multiples of
+  ``prefill_chunk_tokens`` (which must divide 256). A session restored at a 256-aligned
+  cut and prefilling the suffix therefore runs exactly the forwards an uninterrupted
+  prefill runs for those tokens.
+* Every forward computes logits for its last token only (``logits_to_keep=1``); decode
+  is one token per forward, greedy ``argmax`` of the float32 last-logits row.
+* The thread count is fixed when the engine is built (``threads=``) and is part of the
+  engine ABI, so a cache computed with a different count is a different identity.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from ..errors import EngineError
+from .contract import (
+    LAYER_FULL,
+    LAYER_WINDOWED,
+    CacheLayout,
+    EngineIdentity,
+    IdentityIds,
+    LayerSpec,
+)
+from .models import LoadedModel, canonical_config
+
+ADAPTER_NAME = "kvpack.engine.transformers_adapter"
+ADAPTER_VERSION = 1
+REUSE_BLOCK_TOKENS = 256  # production-v1 PREFIX_BLOCK_TOKENS: reusable cuts are multiples of it
+
+_TORCH_TO_WIRE = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}
+
+# Which layers run without positions (NoPE), per model family. Unknown families are refused
+# rather than guessed: a wrong position class would make a windowed restore look valid.
+_NOPE_RULES: dict[str, Callable[[str], bool]] = {
+    "llama": lambda layer_type: False,
+    # Cohere2 applies rotary embeddings only in layers with a sliding window.
+    "cohere2": lambda layer_type: layer_type == "full_attention",
+}
+
+
+def _torch():
+    try:
+        import torch
+    except ImportError as exc:  # pragma: no cover - install problem
+        raise EngineError("install", f"torch is not installed: {exc}") from exc
+    return torch
+
+
+def _wire_dtype(dtype: Any) -> str:
+    name = str(dtype).replace("torch.", "")
+    if name not in _TORCH_TO_WIRE:
+        raise EngineError("unsupported", f"cache dtype {name} has no production-v1 wire value")
+    return _TORCH_TO_WIRE[name]
+
+
+def _floats(prefix: str, obj: Any, out: dict[str, float]) -> None:
+    """Collect every float in a nested config, keyed by dotted path."""
+    if isinstance(obj, bool):
+        return
+    if isinstance(obj, float):
+        out[prefix] = obj
+    elif isinstance(obj, dict):
+        for k in sorted(obj):
+            _floats(f"{prefix}.{k}", obj[k], out)
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            _floats(f"{prefix}[{i}]", v, out)
+
+
+class TransformersEngine:
+    """A loaded model plus its layout, identity and determinism settings.
+
+    ``threads``: if given, ``torch.set_num_threads(threads)`` (process-wide) before anything
+    runs; the count in effect is recorded in the engine ABI either way.
+    ``device``: ``"cpu"`` (default) or ``"cuda"``; CUDA is refused cleanly when absent.
+    """
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        *,
+        prefill_chunk_tokens: int = 256,
+        threads: int | None = None,
+        device: str = "cpu",
+        max_context: int | None = None,
+        adapter: dict[str, Any] | None = None,
+    ) -> None:
+        torch = _torch()
+        if sys.byteorder != "little":
+            # Export is a raw memory view; a big-endian host would need a byte swap per element.
+            raise EngineError("unsupported", "big-endian hosts are not supported")
+        if prefill_chunk_tokens <= 0 or REUSE_BLOCK_TOKENS % prefill_chunk_tokens != 0:
+            raise EngineError(
+                "unsupported",
+                f"prefill_chunk_tokens={prefill_chunk_tokens} must divide {REUSE_BLOCK_TOKENS}, "
+                "so every reusable cut is a chunk boundary",
+            )
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise EngineError("unsupported", "CUDA requested but not available")
+        if threads is not None:
+            torch.set_num_threads(int(threads))
+        self.loaded = loaded
+        self.model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        self.device = torch.device(device)
+        self.model.to(self.device)
+        self.model.eval()
+        self.config = self.model.config
+        self.prefill_chunk_tokens = prefill_chunk_tokens
+        self.threads = torch.get_num_threads()
+        self.max_context = int(max_context or getattr(self.config, "max_position_embeddings", 0) or 0)
+        if self.max_context <= 0:
+            raise EngineError("model", "model config has no max_position_embeddings; pass max_context")
+        self.layout = self._derive_layout()
+        self.identity = self._derive_identity(adapter or {"name": "none"})
+        self._ids = self.identity.ids()
+
+    # -- layout ---------------------------------------------------------------------------
+
+    def new_cache(self):
+        """An empty ``DynamicCache`` with the model's per-layer classes."""
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.config)
+
+    def _derive_layout(self) -> CacheLayout:
+        from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+        cfg = self.config
+        model_type = getattr(cfg, "model_type", "")
+        if model_type not in _NOPE_RULES:
+            raise EngineError("unsupported", f"model type {model_type!r} has no position-class rule in this adapter")
+        n_layers = int(cfg.num_hidden_layers)
+        kv_heads = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+        head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+        layer_types = list(getattr(cfg, "layer_types", None) or ["full_attention"] * n_layers)
+        dtype = _wire_dtype(self.model.dtype)
+        cache = self.new_cache()
+        if len(cache.layers) not in (0, n_layers):
+            raise EngineError("layout", f"cache has {len(cache.layers)} layers, config {n_layers}")
+        specs = []
+        for i in range(n_layers):
+            ltype = layer_types[i]
+            # The cache class the model will really use is the authority; the config's layer
+            # type must agree with it (a silent disagreement would ship the wrong rows).
+            layer_obj = cache.layers[i] if cache.layers else DynamicLayer()
+            sliding = isinstance(layer_obj, DynamicSlidingWindowLayer)
+            if sliding != (ltype == "sliding_attention"):
+                raise EngineError("layout", f"layer {i}: config type {ltype} but cache class {type(layer_obj).__name__}")
+            if type(layer_obj) not in (DynamicLayer, DynamicSlidingWindowLayer):
+                raise EngineError("unsupported", f"layer {i}: cache class {type(layer_obj).__name__}")
+            position = "nope" if _NOPE_RULES[model_type](ltype) else "rope"
+            if sliding:
+                window = int(layer_obj.sliding_window)
+                if window != int(cfg.sliding_window) or window < 2:
+                    raise EngineError("layout", f"layer {i}: window {window} disagrees with config")
+                specs.append(
+                    LayerSpec(i, LAYER_WINDOWED, kv_heads, head_dim, dtype, position, window_tokens=window - 1, attention_window=window)
+                )
+            else:
+                specs.append(LayerSpec(i, LAYER_FULL, kv_heads, head_dim, dtype, position))
+        return CacheLayout(layers=tuple(specs), vocab_size=int(cfg.vocab_size))
+
+    # -- identity -------------------------------------------------------------------------
+
+    def _scalars(self) -> dict[str, float]:
+        """Scalar-math constants: every float in the config plus the live module constants.
+
+        The live values are read from the modules that compute (attention scaling, rotary
+        attention scaling, logit scale), because a config and the running code can disagree
+        (the seed's K4 caught two such regressions).
+        """
+        out: dict[str, float] = {}
+        _floats("config", canonical_config(self.config), out)
+        base = getattr(self.model, "model", self.model)
+        for i, layer in enumerate(getattr(base, "layers", [])):
+            attn = getattr(layer, "self_attn", None)
+            if attn is not None and hasattr(attn, "scaling"):
+                out[f"live.layers[{i}].attn.scaling"] = float(attn.scaling)
+        rotary = getattr(base, "rotary_emb", None)
+        if rotary is not None and hasattr(rotary, "attention_scaling"):
+            out["live.rotary.attention_scaling"] = float(rotary.attention_scaling)
+        if hasattr(self.model, "logit_scale") and isinstance(self.model.logit_scale, (int, float)):
+            out["live.logit_scale"] = float(self.model.logit_scale)
+        return out
+
+    def _rope(self) -> dict[str, Any]:
+        torch = _torch()
+        base = getattr(self.model, "model", self.model)
+        rotary = getattr(base, "rotary_emb", None)
+        desc: dict[str, Any] = {"rope_layers": [s.index for s in self.layout.layers if s.position == "rope"]}
+        if rotary is not None and hasattr(rotary, "inv_freq"):
+            inv = rotary.inv_freq.detach().to("cpu", torch.float32).contiguous()
+            # The exact frequencies used, not just theta: catches a theta/config mismatch too.
+            desc["inv_freq_sha256"] = hashlib.sha256(inv.view(torch.uint8).numpy()).hexdigest()
+            desc["rope_type"] = str(getattr(rotary, "rope_type", "default"))
+        return desc
+
+    def _engine_abi(self) -> dict[str, Any]:
+        torch = _torch()
+        import transformers
+        from transformers.cache_utils import DynamicCache
+
+        abi: dict[str, Any] = {
+            "adapter": ADAPTER_NAME,
+            "adapter_version": ADAPTER_VERSION,
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "attn_implementation": str(getattr(self.config, "_attn_implementation", None)),
+            "cache_class": f"{DynamicCache.__module__}.{DynamicCache.__qualname__}",
+            "layer_classes": sorted({type(l).__name__ for l in self.new_cache().layers}) or ["DynamicLayer"],
+            "model_class": type(self.model).__name__,
+            "device": self.device.type,
+            "threads": self.threads,
+            "compute_dtype": str(self.model.dtype).replace("torch.", ""),
+            "byte_order": sys.byteorder,
+            "forward": "logits_to_keep=1; greedy argmax over float32 logits",
+        }
+        if self.device.type == "cuda":
+            abi["cuda"] = str(torch.version.cuda)
+            abi["device_name"] = torch.cuda.get_device_name(self.device)
+        return abi
+
+    def _derive_identity(self, adapter: dict[str, Any]) -> EngineIdentity:
+        return EngineIdentity(
+            model_name=self.loaded.name,
+            weights_digest=self.loaded.weights_digest,
+            config=canonical_config(self.config),
+            tokenizer_digest=self.loaded.tokenizer_digest,
+            chat_template_digest=self.loaded.chat_template_digest,
+            context_policy={
+                "max_context": self.max_context,
+                "prefill_chunk_tokens": self.prefill_chunk_tokens,
+                "chunk_alignment": "absolute",
+                "overflow": "refuse",
+                "batch": 1,
+            },
+            adapter=adapter,
+            weight_precision=self.loaded.weight_precision,
+            engine_abi=self._engine_abi(),
+            scalars=self._scalars(),
+            layout=self.layout,
+            rope=self._rope(),
+        )
+
+    def ids(self) -> IdentityIds:
+        return self._ids
+
+    def check_identity(self, expected: EngineIdentity | IdentityIds) -> None:
+        """EngineError(identity) naming every Id32 that differs from this engine's."""
+        other = expected.ids() if isinstance(expected, EngineIdentity) else expected
+        if not isinstance(other, IdentityIds):
+            raise EngineError("identity", f"expected an EngineIdentity or IdentityIds, got {type(expected).__name__}")
+        if other != self._ids:
+            differing = [n for n in IdentityIds.__dataclass_fields__ if getattr(other, n) != getattr(self._ids, n)]
+            raise EngineError("identity", "identity mismatch in " + ", ".join(differing))
+
+    # -- sessions -------------------------------------------------------------------------
+
+    def new_session(self) -> "EngineSession":
+        return EngineSession(self)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` (no special tokens added beyond the tokenizer's defaults)."""
+        if self.tokenizer is None:
+            raise EngineError("model", f"{self.loaded.name} has no tokenizer")
+        return list(self.tokenizer(text)["input_ids"])
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        if self.tokenizer is None:
+            raise EngineError("model", f"{self.loaded.name} has no tokenizer")
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+
+class EngineSession:
+    """One sequence: the tokens so far, the live cache, and the exact last-logits row.
+
+    ``last_logits`` is the float32 logits row of the last token processed (the row the next
+    greedy token is chosen from); it is ``None`` after installing a prefix without logits.
+    """
+
+    def __init__(self, engine: TransformersEngine) -> None:
+        self.engine = engine
+        self.layout = engine.layout
+        self.tokens: list[int] = []
+        self.cache = engine.new_cache()
+        self.last_logits = None
+
+    @property
+    def position(self) -> int:
+        return len(self.tokens)
+
+    # -- compute --------------------------------------------------------------------------
+
+    def _check_tokens(self, token_ids: Iterable[int]) -> list[int]:
+        ids = [int(t) for t in token_ids]
+        vocab = self.layout.vocab_size
+        if any(t < 0 or t >= vocab for t in ids):
+            raise EngineError("model", f"token id outside [0, {vocab})")
+        if self.position + len(ids) > self.engine.max_context:
+            raise EngineError("unsupported", f"context would exceed {self.engine.max_context} tokens")
+        return ids
+
+    def _forward(self, ids: list[int]) -> None:
+        torch = _torch()
+        x = torch.tensor([ids], dtype=torch.long, device=self.engine.device)
+        with torch.inference_mode():
+            out = self.engine.model(input_ids=x, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+        self.tokens.extend(ids)
+        self.last_logits = out.logits[0, -1].float()
+
+    def prefill(
+        self,
+        token_ids: Sequence[int],
+        chunk_size: int | None = None,
+        on_chunk: Callable[["EngineSession"], None] | None = None,
+    ) -> None:
+        """Append ``token_ids``, forwarding them in absolute-aligned chunks.
+
+        Chunk boundaries are the multiples of ``chunk_size`` (the engine's
+        ``prefill_chunk_tokens``; another value is refused because the chunking is part of
+        the identity). ``on_chunk(session)`` runs after each chunk, e.g. to save the cut
+        while a windowed layer still holds the window that ends there.
+        """
+        chunk = self.engine.prefill_chunk_tokens
+        if chunk_size is not None and chunk_size != chunk:
+            raise EngineError(
+                "identity", f"chunk_size {chunk_size} differs from the engine's prefill_chunk_tokens {chunk}"
+            )
+        ids = self._check_tokens(token_ids)
+        i = 0
+        while i < len(ids):
+            pos = self.position
+            stop = min((pos // chunk + 1) * chunk - pos, len(ids) - i)
+            self._forward(ids[i : i + stop])
+            i += stop
+            if on_chunk is not None:
+                on_chunk(self)
+
+    def decode_greedy(self, n: int, stop_token_ids: Iterable[int] = ()):
+        """Generate up to ``n`` tokens greedily from ``last_logits``.
+
+        Returns ``(tokens, logits)``: ``logits[i]`` is the float32 row token ``i`` was chosen
+        from. Each token is forwarded, so afterwards the cache, ``tokens`` and
+        ``last_logits`` are consistent and the session can be exported at its new position.
+        Stops after emitting a token in ``stop_token_ids``.
+        """
+        torch = _torch()
+        if self.last_logits is None:
+            raise EngineError("install", "no final logits at this cut: prefill at least one token first")
+        stops = {int(t) for t in stop_token_ids}
+        out_tokens: list[int] = []
+        out_logits = []
+        for _ in range(n):
+            logits = self.last_logits
+            token = int(torch.argmax(logits).item())
+            self._check_tokens([token])
+            out_tokens.append(token)
+            out_logits.append(logits)
+            self._forward([token])
+            if token in stops:
+                break
+        return out_tokens, out_logits
+
+    # -- export ---------------------------------------------------------------------------
+
+    def retained_range(self, layer: int) -> tuple[int, int]:
+        """Absolute rows ``[lo, position)`` the live cache holds for ``layer``."""
+        return self.layout.retained_range(layer, self.position)
+
+    def _plane(self, layer: int, role: str):
+        """The live ``[1, heads, rows, head_dim]`` tensor, checked against the layout."""
+        self.layout.check_role(role)
+        spec = self.layout.layer(layer)
+        cache_layer = self.cache.layers[layer]
+        t = cache_layer.keys if role == "k" else cache_layer.values
+        lo, hi = spec.retained_range(self.position)
+        expected = (1, spec.kv_heads, hi - lo, spec.head_dim)
+        if t is None or tuple(t.shape) != expected:
+            got = None if t is None else tuple(t.shape)
+            raise EngineError("layout", f"layer {layer} {role}: live shape {got}, layout expects {expected}")
+        if _wire_dtype(t.dtype) != spec.dtype:
+            raise EngineError("layout", f"layer {layer} {role}: live dtype {t.dtype}, layout {spec.dtype}")
+        if spec.kind == LAYER_WINDOWED and getattr(cache_layer, "cumulative_length", None) != self.position:
+            raise EngineError("layout", f"layer {layer}: cumulative length disagrees with the session position")
+        return t, lo
+
+    def export_rows(self, layer: int, role: str, start: int, stop: int) -> memoryview:
+        """Rows ``[start, stop)`` (absolute token positions) of one state, token-major bytes.
+
+        The result is a flat ``memoryview`` over a fresh contiguous CPU tensor in the wire
+        dtype, little-endian, ``(stop - start) * row_bytes`` long. For a windowed layer the
+        range must lie inside :meth:`retained_range`; asking for evicted rows is refused.
+        """
+        torch = _torch()
+        spec = self.layout.layer(layer)
+        self.layout.check_role(role)
+        if not 0 <= start <= stop <= self.position:
+            raise EngineError("layout", f"rows [{start}, {stop}) outside [0, {self.position})")
+        if start == stop:
+            return memoryview(b"")
+        t, lo = self._plane(layer, role)
+        if start < lo:
+            raise EngineError("layout", f"layer {layer} retains rows [{lo}, {self.position}); row {start} was evicted")
+        with torch.inference_mode():
+            rows = t[0, :, start - lo : stop - lo, :].transpose(0, 1).contiguous()
+            if rows.device.type != "cpu":
+                rows = rows.cpu()
+            flat = rows.reshape(-1).view(torch.uint8)
+        view = memoryview(flat.numpy())
+        if view.nbytes != (stop - start) * spec.row_bytes:  # pragma: no cover - geometry guard
+            raise EngineError("layout", "exported byte count disagrees with the layout")
+        return view
+
+    def export_logits(self) -> memoryview:
+        """The exact last-logits row: ``vocab_size`` float32 little-endian values."""
+        torch = _torch()
+        if self.last_logits is None:
+            raise EngineError("install", "no final logits at this cut")
+        with torch.inference_mode():
+            row = self.last_logits.detach().to("cpu", torch.float32).contiguous()
+        return memoryview(row.view(torch.uint8).numpy())
+
+    def state_digest(self, layer: int, role: str) -> bytes:
+        """SHA-256 of the retained rows of one state in wire form (for restore proofs)."""
+        lo, hi = self.retained_range(layer)
+        return hashlib.sha256(self.export_rows(layer, role, lo, hi)).digest()
+
+    def cache_digest(self) -> bytes:
+        """SHA-256 over every state digest in canonical order, the position and the logits."""
+        h = hashlib.sha256(b"kvpack/engine/v1/session-cache\0")
+        h.update(self.position.to_bytes(8, "little"))
+        for layer, role in self.layout.states():
+            h.update(self.state_digest(layer, role))
+        if self.last_logits is not None:
+            h.update(hashlib.sha256(self.export_logits()).digest())
+        return h.digest()
+
+    # -- install --------------------------------------------------------------------------
+
+    def begin_install(
+        self, cut: int, token_ids: Sequence[int], identity: EngineIdentity | IdentityIds
+    ) -> "DetachedInstall":
+        """Start filling a detached cache for the cut ``[0, cut)``; the live session is untouched.
+
+        ``identity`` is what the stored cache claims to be; any difference from this engine's
+        identity refuses with EngineError(identity) before anything is allocated.
+        """
+        self.engine.check_identity(identity)
+        return DetachedInstall(self, cut, token_ids)
+
+
+class DetachedInstall:
+    """A cache being filled beside the live one; it replaces the live cache only on commit.
+
+    Rows arrive per ``(layer, role)`` as token-major wire bytes for absolute ranges; each row
+    of :meth:`required_range` must be written exactly once. ``commit`` checks completeness
+    and then swaps tokens, cache and logits in one step; ``abort`` (or any refusal) leaves
+    the live session as it was.
+    """
+
+    def __init__(self, session: EngineSession, cut: int, token_ids: Sequence[int]) -> None:
+        torch = _torch()
+        import numpy as np
+
+        layout = session.layout
+        ids = [int(t) for t in token_ids]
+        if cut <= 0 or cut > session.engine.max_context:
+            raise EngineError("install", f"cut {cut} outside [1, {session.engine.max_context}]")
+        if len(ids) != cut:
+            raise EngineError("install", f"{len(ids)} token ids for a cut of {cut}")
+        if any(t < 0 or t >= layout.vocab_size for t in ids):
+            raise EngineError("install", "token id outside the vocabulary")
+        self.session = session
+        self.layout = layout
+        self.cut = cut
+        self.tokens = ids
+        self.state = "open"
+        self._logits = None
+        device = session.engine.device
+        dtypes = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}
+        self._planes: dict[tuple[int, str], Any] = {}
+        self._written: dict[tuple[int, str], Any] = {}
+        for spec in layout.layers:
+            lo, hi = spec.retained_range(cut)
+            for role in layout.roles:
+                self._planes[(spec.index, role)] = torch.empty(
+                    (1, spec.kv_heads, hi - lo, spec.head_dim), dtype=dtypes[spec.dtype], device=device
+                )
+                self._written[(spec.index, role)] = np.zeros(hi - lo, dtype=bool)
+        self._torch_dtypes = dtypes
+
+    def required_range(self, layer: int) -> tuple[int, int]:
+        """Absolute rows of ``layer`` this install needs: ``[0, cut)`` or the window ending at cut."""
+        return self.layout.retained_range(layer, self.cut)
+
+    def _check_open(self) -> None:
+        if self.state != "open":
+            raise EngineError("install", f"install already {self.state}")
+
+    def write_rows(self, layer: int, role: str, start: int, data) -> None:
+        """Copy token-major wire rows starting at absolute row ``start`` into the detached cache.
+
+        ``data`` is any buffer (bytes, memoryview, bytearray); it is read in place through
+        ``torch.frombuffer`` and copied once, transposing to the cache's head-major layout.
+        """
+        torch = _torch()
+        self._check_open()
+        spec = self.layout.layer(layer)
+        self.layout.check_role(role)
+        view = memoryview(data).cast("B")
+        if view.nbytes % spec.row_bytes:
+            raise EngineError("layout", f"{view.nbytes} bytes is not a whole number of {spec.row_bytes}-byte rows")
+        n = view.nbytes // spec.row_bytes
+        lo, hi = spec.retained_range(self.cut)
+        if start < lo or start + n > hi:
+            raise EngineError("layout", f"layer {layer} rows [{start}, {start + n}) outside the needed [{lo}, {hi})")
+        written = self._written[(layer, role)]
+        if written[start - lo : start - lo + n].any():
+            raise EngineError("install", f"layer {layer} {role}: rows written twice")
+        if n == 0:
+            return
+        with warnings.catch_warnings():
+            # frombuffer warns on read-only buffers (bytes); we only ever read from it.
+            warnings.simplefilter("ignore", UserWarning)
+            src = torch.frombuffer(view, dtype=self._torch_dtypes[spec.dtype], count=n * spec.row_elements)
+        src = src.view(n, spec.kv_heads, spec.head_dim).transpose(0, 1)
+        with torch.no_grad():
+            self._planes[(layer, role)][0, :, start - lo : start - lo + n, :].copy_(src)
+        written[start - lo : start - lo + n] = True
+
+    def write_logits(self, data) -> None:
+        """The exact final-logits row at the cut (``vocab_size`` f32 LE values)."""
+        torch = _torch()
+        self._check_open()
+        view = memoryview(data).cast("B")
+        if view.nbytes != self.layout.logits_bytes:
+            raise EngineError("layout", f"logits row is {view.nbytes} bytes, expected {self.layout.logits_bytes}")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            row = torch.frombuffer(view, dtype=torch.float32).clone()
+        self._logits = row.to(self.session.engine.device)
+
+    def missing(self) -> list[tuple[int, str, int]]:
+        """(layer, role, rows still missing) for every incomplete state."""
+        out = []
+        for (layer, role), written in self._written.items():
+            left = int((~written).sum())
+            if left:
+                out.append((layer, role, left))
+        return out
+
+    def commit(self, *, require_logits: bool = True) -> None:
+        """Make the detached cache live. Refuses (installing nothing) if incomplete.
+
+        ``require_logits=False`` is for a prefix that will be extended by prefill before
+        any token is generated; the session then has no ``last_logits`` until it does.
+        """
+        from transformers.cache_utils import DynamicSlidingWindowLayer
+
+        self._check_open()
+        gaps = self.missing()
+        if gaps:
+            layer, role, left = gaps[0]
+            raise EngineError("install", f"{len(gaps)} states incomplete (layer {layer} {role}: {left} rows missing)")
+        if require_logits and self._logits is None:
+            raise EngineError("install", "no final-logits row: a cut without it cannot resume generation")
+        cache = self.session.engine.new_cache()
+        if len(cache.layers) != self.layout.num_layers:
+            # A config without per-layer types gives a lazily grown cache; make the layers now.
+            from transformers.cache_utils import DynamicLayer
+
+            cache.layers = [DynamicLayer() for _ in range(self.layout.num_layers)]
+        for spec, layer_obj in zip(self.layout.layers, cache.layers):
+            k = self._planes[(spec.index, "k")]
+            v = self._planes[(spec.index, "v")]
+            sliding = isinstance(layer_obj, DynamicSlidingWindowLayer)
+            if sliding != (spec.kind == LAYER_WINDOWED):
+                raise EngineError("layout", f"layer {spec.index}: cache class disagrees with the layout")
+            layer_obj.lazy_initialization(k, v)
+            layer_obj.keys, layer_obj.values = k, v
+            if sliding:
+                # Absolute position, not row count: it drives the sliding-window mask offset.
+                layer_obj.cumulative_length = self.cut
+        # Everything that can fail has been checked; the swap below cannot half-happen.
+        session = self.session
+        session.cache = cache
+        session.tokens = list(self.tokens)
+        session.last_logits = self._logits
+        self.state = "committed"
+        self._planes = {}
+
+    def abort(self) -> None:
+        """Drop the detached cache; the live session is untouched."""
+        if self.state == "open":
+            self.state = "aborted"
+            self._planes = {}
+
+
+def transfer_cut(source: EngineSession, target: EngineSession, cut: int | None = None, *, with_logits: bool = True) -> None:
+    """Copy the cut ``[0, cut)`` of ``source`` into ``target`` through a DetachedInstall.
+
+    A helper for tests and in-process moves; the store does the same through its packs.
+    ``cut`` defaults to the source position. For a windowed layer the window ending at the
+    cut must still be retained by the source (so ``cut`` is the source position unless the
+    model has no windowed layers).
+    """
+    cut = source.position if cut is None else cut
+    install = target.begin_install(cut, source.tokens[:cut], source.engine.identity)
+    try:
+        for layer, role in source.layout.states():
+            lo, hi = install.required_range(layer)
+            install.write_rows(layer, role, lo, source.export_rows(layer, role, lo, hi))
+        if with_logits:
+            if cut != source.position:
+                raise EngineError("install", "final logits exist only at the source position")
+            install.write_logits(source.export_logits())
+        install.commit(require_logits=with_logits)
+    except BaseException:
+        install.abort()
+        raise
+
+
+__all__ = [
+    "TransformersEngine",
+    "EngineSession",
+    "DetachedInstall",
+    "transfer_cut",
+]
