@@ -146,11 +146,16 @@ class FrameDecoder:
     stream whose framing is lost.
     """
 
-    def __init__(self, limits: FrameLimits = FrameLimits()) -> None:
+    def __init__(self, limits: FrameLimits = FrameLimits(), *, reuse_payload_buffer: bool = False) -> None:
         self.limits = limits
+        # With reuse, one payload buffer serves every frame: a segment's payload view is
+        # then valid only until the decoder is advanced again. The receiver uses this (its
+        # sink copies during write_segment), which saves a fresh multi-MiB allocation and
+        # its page faults per frame; standalone decoding keeps fresh buffers.
+        self.reuse_payload_buffer = reuse_payload_buffer
+        self._payload_buf: Optional[bytearray] = None
         self._preamble = bytearray(PREAMBLE_BYTES)
-        self._buf: bytearray = self._preamble
-        self._view = memoryview(self._buf)
+        self._view = memoryview(self._preamble)
         self._filled = 0
         self._phase = "preamble"
         self._payload_len = 0
@@ -169,7 +174,7 @@ class FrameDecoder:
         """Record that ``n`` bytes were written into :meth:`wanted`; returns a frame when
         one completes, else None."""
         self._check_alive()
-        if n < 0 or self._filled + n > len(self._buf):
+        if n < 0 or self._filled + n > len(self._view):
             raise ValueError("advance beyond the wanted buffer")
         self._filled += n
         try:
@@ -204,7 +209,10 @@ class FrameDecoder:
     @property
     def buffered_bytes(self) -> int:
         """Bytes currently held for the partial frame (bounded by one frame's limits)."""
-        return len(self._buf)
+        held = len(self._view)
+        if self._payload_buf is not None:
+            held = max(held, len(self._payload_buf))
+        return held
 
     def eof(self) -> None:
         """The stream ended; refuse if a frame was cut short (C.2 "truncated")."""
@@ -220,14 +228,21 @@ class FrameDecoder:
         if self._error is not None:
             raise self._error
 
-    def _set_buffer(self, buf: bytearray, phase: str) -> None:
-        self._buf = buf
+    def _set_buffer(self, buf: bytearray | memoryview, phase: str) -> None:
         self._view = memoryview(buf)
         self._filled = 0
         self._phase = phase
 
+    def _payload_buffer(self, n: int) -> memoryview:
+        if not self.reuse_payload_buffer:
+            return memoryview(bytearray(n))
+        if self._payload_buf is None or len(self._payload_buf) < n:
+            self._payload_buf = None  # drop the old one before allocating the larger
+            self._payload_buf = bytearray(n)
+        return memoryview(self._payload_buf)[:n]
+
     def _step(self) -> Optional[Frame]:
-        if self._filled < len(self._buf):
+        if self._filled < len(self._view):
             return None
         if self._phase == "preamble":
             magic, hlen, plen = PREAMBLE.unpack(self._preamble)
@@ -254,7 +269,7 @@ class FrameDecoder:
             if self._payload_len == 0:
                 return self._finish(frame)
             self._pending = frame
-            self._set_buffer(bytearray(self._payload_len), "payload")
+            self._set_buffer(self._payload_buffer(self._payload_len), "payload")
             return None
         # payload complete: attach it by reference to the already-parsed header.
         return self._finish(replace(self._pending, payload=self._view))

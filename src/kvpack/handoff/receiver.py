@@ -24,8 +24,10 @@ Any refusal before commit calls ``sink.abort()`` exactly once and leaves the mac
 CLOSED: the live state was never touched, because the sink only publishes in ``commit``.
 After commit the transfer is final and later bytes are ignored (errata H4).
 
-Payloads reach the sink as ``memoryview``s of the decoder's per-frame buffer; each frame
-gets a fresh buffer, so a view stays valid for as long as the sink keeps it.
+Payloads reach the sink as ``memoryview``s of the decoder's one payload buffer, reused for
+every frame: a view is valid only during ``write_segment``, and the sink copies what it
+keeps (into its detached generation, which it must do anyway). That bounds the receiver's
+own memory to one frame and avoids a fresh multi-MiB allocation per segment.
 """
 
 from __future__ import annotations
@@ -57,7 +59,8 @@ class Sink(Protocol):
     """Where verified segments go: a detached generation published only by ``commit``.
 
     ``begin`` may refuse (identity admission of the engine side); ``write_segment``
-    receives payloads already checked against their descriptor digest; ``prepare`` must
+    receives payloads already checked against their descriptor digest, as a view that is
+    valid only for the duration of the call (copy what you keep); ``prepare`` must
     prove the generation is complete and installable; ``commit`` publishes atomically and
     should not fail; ``abort`` discards the detached generation (called at most once, never
     after commit).
@@ -145,7 +148,7 @@ class Receiver:
         self.now_unix_ms = now_unix_ms
         self.held_token_ids = held_token_ids
         self.state = ReceiverState.AWAIT_BEGIN
-        self.decoder = FrameDecoder(config.limits)
+        self.decoder = FrameDecoder(config.limits, reuse_payload_buffer=True)
         self.manifest: Optional[BeginManifestV2] = None
         self.prefix_cut = 0
         self.error: Optional[ProtocolError] = None
