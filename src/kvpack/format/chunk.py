@@ -139,8 +139,14 @@ def encode_chunk(
     nonce: bytes = _ZERO_NONCE,
     sidecar: bytes | None = None,
     codec_version: int = C.CODEC_VERSION,
+    content_id: bytes | None = None,
 ) -> EncodedChunk:
-    """Build one chunk object. Salt and nonce are inputs (never generated here)."""
+    """Build one chunk object. Salt and nonce are inputs (never generated here).
+
+    ``content_id`` may be passed when the caller already computed it (the store does, to
+    look up an existing copy before encoding); it must be :func:`chunk_content_id` of the
+    same inputs, and every decoder recomputes and compares it.
+    """
     epoch = keys.epoch
     if epoch == 0:
         raise fail("semantics", "chunk: key epoch 0")
@@ -157,9 +163,10 @@ def encode_chunk(
         raise fail("reserved", "chunk: salt/nonce given for an unencrypted chunk")
     if sidecar:
         StatsSidecar.decode(sidecar)
-    content_id = chunk_content_id(
-        keys.chunk_identity, keys.tenant, family_digest, key.layer, key.name, span.token_start, span.token_count, span.plaintext_offset, plaintext
-    )
+    if content_id is None:
+        content_id = chunk_content_id(
+            keys.chunk_identity, keys.tenant, family_digest, key.layer, key.name, span.token_start, span.token_count, span.plaintext_offset, plaintext
+        )
     object_key = chunk_object_key(
         keys.object_identity, keys.tenant, family_digest, content_id, epoch, codec, codec_version, encrypted, salt, nonce, sidecar
     )
