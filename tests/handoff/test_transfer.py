@@ -11,7 +11,7 @@ import struct
 import pytest
 
 from kvpack.errors import ProtocolError
-from kvpack.handoff.events import Ack, Begin
+from kvpack.handoff.events import Abort, Ack, Begin
 from kvpack.handoff.frames import frame_bytes
 from kvpack.handoff.receiver import Admitted, Committed, SegmentStored
 from kvpack.handoff.schedule import MUSE
@@ -106,7 +106,7 @@ def test_muse_delta_transfer(deferred):
 def test_post_ack_bytes_are_ignored():
     _, frames, *_ = build_transfer(deferred=True)
     # The genuine producer may send an abort after a mismatched ack (errata H4).
-    stream = b"".join(frames) + frame_bytes(__import__("kvpack.handoff.events", fromlist=["Abort"]).Abort("producer failure"))
+    stream = b"".join(frames) + frame_bytes(Abort("producer failure"))
     r, sink, _, err, effects = run(stream)
     assert err is None and sink.committed and "abort" not in sink.calls
     assert r.receive_data(b"garbage") == [] and r.state is ReceiverState.DONE
@@ -245,8 +245,6 @@ def test_reservation_failure_never_commits():
 
 
 def test_producer_abort():
-    from kvpack.handoff.events import Abort
-
     _, frames, *_ = build_transfer(deferred=True)
     err = assert_refused(run(b"".join(frames[:3]) + frame_bytes(Abort("producer failure"))), {"aborted"})
     assert "producer failure" in err.message
