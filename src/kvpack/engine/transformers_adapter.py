@@ -322,6 +322,11 @@ class EngineSession:
 
     def _forward(self, ids: list[int]) -> None:
         torch = _torch()
+        if torch.get_num_threads() != self.engine.threads:
+            # The count is process-wide and part of this engine's identity; another engine
+            # (or library) may have changed it since. Restore it rather than compute under
+            # an identity that is no longer true.
+            torch.set_num_threads(self.engine.threads)
         x = torch.tensor([ids], dtype=torch.long, device=self.engine.device)
         with torch.inference_mode():
             out = self.engine.model(input_ids=x, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
