@@ -118,6 +118,15 @@ def atomic_write(
                 pass
 
 
+def sync_dir(path: str | os.PathLike[str], *, ops: FileOps = REAL_OPS) -> None:
+    """fsync a directory, e.g. once after a batch of renames written with ``sync_dir=False``."""
+    target = os.fspath(path)
+    try:
+        ops.fsync_dir(target)
+    except OSError as exc:
+        raise DurableIOError("dirsync", f"{target}: {os.strerror(exc.errno or errno.EIO)}") from exc
+
+
 def durable_unlink(path: str | os.PathLike[str], *, ops: FileOps = REAL_OPS) -> bool:
     """Remove ``path`` and make the removal durable. Returns False if it did not exist."""
     target = os.fspath(path)

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..durable import REAL_OPS, FileOps, atomic_write, durable_unlink, ensure_dir
+from ..durable import REAL_OPS, FileOps, atomic_write, durable_unlink, ensure_dir, sync_dir
 from ..engine.contract import CacheLayout, IdentityIds
 from ..errors import FormatError, StoreError
 from ..format import constants as C
@@ -111,6 +111,8 @@ class PackStore:
         self.encrypted = bool(config["encrypted"])
         self.chunk_bytes = int(config.get("chunk_bytes", DEFAULT_CHUNK_BYTES))
         self.keys = KeySchedule.derive(root, self.tenant, self.epoch)
+        # hashing/AEAD/writes run on this many threads; 1 makes the I/O order deterministic
+        self.workers = _workers()
 
     # -- opening -----------------------------------------------------------------------------
     @classmethod
@@ -336,16 +338,16 @@ class PackStore:
         jobs = [(fs, i, span) for fs, rs in zip(ctx.family.states, schema.states) for i, span in enumerate(rs.spans)]
         # export from the engine on this thread (engines need not be thread-safe), hash and
         # write on the pool (hashlib and the AEAD release the GIL on large buffers)
-        with ThreadPoolExecutor(_workers()) as pool:
+        with ThreadPoolExecutor(self.workers) as pool:
             pending: list[Future] = []
             for fs, i, span in jobs:
                 plaintext = self._span_plaintext(session, fs.key.layer, fs.key.name, span.token_start, span.token_start + span.token_count)
                 pending.append(pool.submit(self._write_one_chunk, ctx, fs, i, span, plaintext))
-                if len(pending) >= 2 * _workers():
+                if len(pending) >= 2 * self.workers:
                     self._collect(pending.pop(0), refs, report)
             for fut in pending:
                 self._collect(fut, refs, report)
-        self.ops.fsync_dir(self._p("chunks"))
+        sync_dir(self._p("chunks"), ops=self.ops)
         return refs
 
     @staticmethod
@@ -468,7 +470,7 @@ class PackStore:
                 if a < b:  # spans wholly outside a windowed layer's window are not even read
                     jobs.append((manifest, key, span, ref, a, b))
         verified = nbytes = 0
-        with ThreadPoolExecutor(_workers()) as pool:
+        with ThreadPoolExecutor(self.workers) as pool:
             pending: list[tuple[Future, tuple]] = []
 
             def drain(item) -> None:
@@ -483,7 +485,7 @@ class PackStore:
 
             for job in jobs:
                 pending.append((pool.submit(self._verify_chunk, job[0], job[1], job[2], job[3], ctx), job))
-                if len(pending) >= 2 * _workers():
+                if len(pending) >= 2 * self.workers:
                     drain(pending.pop(0))
             for item in pending:
                 drain(item)
@@ -520,16 +522,20 @@ class PackStore:
         return plaintext[32:]
 
     # -- listing, checking, garbage collection ------------------------------------------------
-    def index_entries(self) -> list[tuple[bytes, bytes]]:
+    def index_entries(self, problems: list[str] | None = None) -> list[tuple[bytes, bytes]]:
+        """(node id, manifest id) of every well-formed index entry; malformed ones are
+        reported into ``problems`` when given (and otherwise skipped)."""
         out = []
         for name in sorted(os.listdir(self._p("index"))):
             if name.startswith("."):
                 continue
             try:
                 node = bytes.fromhex(name)
-            except ValueError:
+                mid = self._read_index(node)
+            except (ValueError, StoreError) as exc:
+                if problems is not None:
+                    problems.append(f"index entry {name}: {exc}")
                 continue
-            mid = self._read_index(node)
             if mid is not None:
                 out.append((node, mid))
         return out
@@ -565,7 +571,7 @@ class PackStore:
         cuts = chunks = 0
         seen: set[bytes] = set()
         with self._lock(exclusive=False):
-            for _node, mid in self.index_entries():
+            for _node, mid in self.index_entries(problems):
                 try:
                     chain = self.load_chain(mid)
                     cuts += 1
@@ -631,7 +637,7 @@ class PackStore:
                         removed["bytes"] += os.path.getsize(path)
                         os.unlink(path)
                         removed[label] += 1
-                self.ops.fsync_dir(directory)
+                sync_dir(directory, ops=self.ops)
         return removed
 
 

@@ -1,0 +1,210 @@
+"""Pack store behaviour on the NumPy adapter: save/find/restore round trips, deltas and
+compaction, dedup, identity scoping, and every refusal leaving the live session untouched."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from kvpack.errors import StoreError
+from kvpack.store import PackStore
+
+from .helpers import LAYOUT, TOKENS, engine, new_store, session_with
+
+
+@pytest.mark.parametrize("encrypted", [False, True])
+def test_save_find_restore_round_trip(tmp_path, encrypted):
+    store = new_store(tmp_path, encrypted=encrypted)
+    eng = engine()
+    src = session_with(eng, TOKENS, store)
+    hit = store.find_deepest(TOKENS, eng.layout, eng.ids())
+    assert hit is not None and hit.cut == len(TOKENS)
+    dst = eng.new_session()
+    report = store.restore(hit, dst, TOKENS)
+    assert dst.cache_digest() == src.cache_digest()
+    assert dst.tokens == TOKENS
+    assert report.packs == 5  # full at 256, deltas at 512, 768, 1024, 1200
+    # a different continuation reuses the deepest aligned prefix only
+    query = TOKENS[:700] + [1, 2, 3]
+    hit = store.find_deepest(query, eng.layout, eng.ids())
+    assert hit.cut == 512
+    prefix = eng.new_session()
+    store.restore(hit, prefix, query)
+    reference = session_with(eng, TOKENS[:512])
+    assert prefix.cache_digest() == reference.cache_digest()
+
+
+def test_windowed_layers_store_zero_outside_window_and_restore_window(tmp_path):
+    store = new_store(tmp_path)
+    eng = engine()
+    src = session_with(eng, TOKENS, store)
+    hit = store.find_deepest(TOKENS, eng.layout, eng.ids())
+    dst = eng.new_session()
+    store.restore(hit, dst, TOKENS)
+    for layer in LAYOUT.windowed_layers():
+        lo, hi = dst.retained_range(layer)
+        assert hi - lo == LAYOUT.layer(layer).window_tokens
+        assert dst.state_digest(layer, "k") == src.state_digest(layer, "k")
+
+
+def test_depth_limit_forces_full_compaction_and_dedups(tmp_path):
+    store = new_store(tmp_path)
+    eng = engine()
+    tokens = TOKENS[:1] * 0 + [(i * 5 + 1) % 64 for i in range(256 * 10)]
+    reports = []
+    s = eng.new_session()
+    s.prefill(tokens, chunk_size=256, on_chunk=lambda ss: reports.append(store.save(ss)))
+    kinds = [(r.kind, r.depth) for r in reports]
+    assert kinds[:8] == [("full", 0)] + [("delta", d) for d in range(1, 8)]
+    assert kinds[8] == ("full", 0)  # depth 8 would exceed the format: compaction
+    assert kinds[9] == ("delta", 1)
+    assert reports[8].chunks_reused > 0  # full layers' rows dedup by content id
+    hit = store.find_deepest(tokens, eng.layout, eng.ids())
+    dst = eng.new_session()
+    store.restore(hit, dst, tokens)
+    assert dst.cache_digest() == s.cache_digest()
+    # saving the same cut again writes nothing
+    assert store.save(s).kind == "existing"
+
+
+def test_wrong_identity_is_a_miss(tmp_path):
+    store = new_store(tmp_path)
+    eng = engine()
+    session_with(eng, TOKENS[:512], store)
+    other = engine(scalars={"scale": 1.0000000000000002})  # one f64 bit
+    assert store.find_deepest(TOKENS[:512], other.layout, other.ids()) is None
+    renamed = engine(name="arrays-v2")
+    assert store.find_deepest(TOKENS[:512], renamed.layout, renamed.ids()) is None
+    assert store.find_deepest(TOKENS[:512], eng.layout, eng.ids()) is not None
+
+
+def test_no_token_ids_in_paths_or_files(tmp_path):
+    store = new_store(tmp_path)
+    eng = engine()
+    session_with(eng, TOKENS[:300], store)
+    names = [p.name for p in Path(store.path).rglob("*")]
+    assert all(len(n.split(".")[0]) in (64, 0) or n in ("store.json", "root.key", "lock", "chunks", "packs", "logits", "index") for n in names), names
+    meta = Path(store.path, "store.json").read_text()
+    assert "tokens" not in meta
+
+
+def _objects(store):
+    for sub in ("chunks", "packs", "logits", "index"):
+        for name in sorted(os.listdir(os.path.join(store.path, sub))):
+            yield os.path.join(store.path, sub, name)
+
+
+def test_any_flipped_byte_refuses_and_installs_nothing(tmp_path):
+    """Flip bytes of every stored object: ``verify`` reports it, and restoring the cut refuses
+    with a category (or misses, or never reads an object the cut does not need: spans outside
+    a windowed layer's window), while the live session stays exactly as it was."""
+    store = new_store(tmp_path, encrypted=True)
+    eng = engine()
+    session_with(eng, TOKENS[:600], store)
+    live = session_with(eng, [5] * 300)
+    before = live.cache_digest()
+    outcomes: dict[str, int] = {}
+    flips = 0
+    paths = list(_objects(store))
+    chunks = [p for p in paths if "/chunks/" in p]
+    sample = [p for p in paths if "/chunks/" not in p] + chunks[::4]
+    for path in sample:
+        data = bytearray(Path(path).read_bytes())
+        for offset in sorted(o for o in {0, 60, 210, len(data) // 2, len(data) - 1} if o < len(data)):
+            original = data[offset]
+            data[offset] ^= 0x10
+            Path(path).write_bytes(bytes(data))
+            try:
+                assert not store.verify(read_data=True)["ok"], (path, offset)
+                try:
+                    hit = store.find_deepest(TOKENS[:600], eng.layout, eng.ids())
+                except StoreError as exc:
+                    hit, outcome = None, exc.category
+                else:
+                    outcome = "miss"
+                if hit is not None:
+                    try:
+                        store.restore(hit, live, TOKENS[:600])
+                    except StoreError as exc:
+                        outcome = getattr(exc, "format_category", exc.category)
+                    else:
+                        outcome = "not-needed"
+                        live = session_with(eng, [5] * 300)  # reset for the next flip
+                assert live.cache_digest() == before
+                outcomes[outcome] = outcomes.get(outcome, 0) + 1
+                flips += 1
+            finally:
+                data[offset] = original
+                Path(path).write_bytes(bytes(data))
+    assert flips > 80
+    assert outcomes.get("authentication", 0) > 20, outcomes
+    assert store.verify(read_data=True)["ok"]
+    store.restore(store.find_deepest(TOKENS[:600], eng.layout, eng.ids()), live, TOKENS[:600])
+
+
+def test_missing_logits_or_chunk_refuses(tmp_path):
+    store = new_store(tmp_path)
+    eng = engine()
+    session_with(eng, TOKENS[:300], store)
+    hit = store.find_deepest(TOKENS[:300], eng.layout, eng.ids())
+    live = eng.new_session()
+    logits = store.logits_path(hit.manifest_id)
+    os.rename(logits, logits + ".away")
+    assert store.find_deepest(TOKENS[:300], eng.layout, eng.ids()).cut == 256  # incomplete cut is not offered
+    with pytest.raises(StoreError) as info:
+        store.restore(hit, live, TOKENS[:300])
+    assert info.value.category == "incomplete" and live.position == 0
+    os.rename(logits + ".away", logits)
+    chunk = next(Path(store.path, "chunks").iterdir())
+    chunk.unlink()
+    with pytest.raises(StoreError):
+        store.restore(store.find_deepest(TOKENS[:300], eng.layout, eng.ids()), live, TOKENS[:300])
+    assert live.position == 0
+    assert not store.verify(read_data=False)["ok"]
+
+
+def test_save_refuses_without_logits_and_empty(tmp_path):
+    store = new_store(tmp_path)
+    eng = engine()
+    with pytest.raises(StoreError):
+        store.save(eng.new_session())
+    s = session_with(eng, TOKENS[:10])
+    s.last_logits = None
+    with pytest.raises(Exception):
+        store.save(s)
+    assert not os.listdir(os.path.join(store.path, "index"))
+    assert not os.listdir(os.path.join(store.path, "packs"))
+
+
+def test_root_key_contract_and_wrong_key(tmp_path):
+    store = new_store(tmp_path)
+    eng = engine()
+    session_with(eng, TOKENS[:300], store)
+    os.chmod(os.path.join(store.path, "root.key"), 0o644)
+    with pytest.raises(StoreError) as info:
+        PackStore.open(store.path)
+    assert info.value.category == "key"
+    os.chmod(os.path.join(store.path, "root.key"), 0o600)
+    other = tmp_path / "other.key"
+    fd = os.open(other, os.O_WRONLY | os.O_CREAT, 0o600)
+    os.write(fd, bytes([7]) * 32)
+    os.close(fd)
+    wrong = PackStore.open(store.path, root_key_file=str(other))
+    assert wrong.find_deepest(TOKENS[:300], eng.layout, eng.ids()) is None  # keyed chain: a miss
+
+
+def test_gc_removes_only_unreferenced(tmp_path):
+    store = new_store(tmp_path)
+    eng = engine()
+    session_with(eng, TOKENS[:600], store)
+    # orphans: a chunk and a pack nobody indexes, and a stale temp file
+    Path(store.path, "chunks", "ab" * 32 + ".kvchk").write_bytes(b"x" * 4096)
+    Path(store.path, "packs", "cd" * 32 + ".kvpkp").write_bytes(b"y" * 8192)
+    Path(store.path, "chunks", ".zz.tmp").write_bytes(b"z")
+    before = store.verify()
+    removed = store.gc()
+    assert removed["chunks"] == 1 and removed["packs"] == 1 and removed["temp"] == 1
+    after = store.verify()
+    assert after["ok"] and after["cuts"] == before["cuts"]
