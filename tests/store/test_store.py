@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpack.errors import StoreError
+from kvpack.errors import EngineError, StoreError
 from kvpack.store import PackStore
 
 from .helpers import LAYOUT, TOKENS, engine, new_store, session_with
@@ -172,7 +172,7 @@ def test_save_refuses_without_logits_and_empty(tmp_path):
         store.save(eng.new_session())
     s = session_with(eng, TOKENS[:10])
     s.last_logits = None
-    with pytest.raises(Exception):
+    with pytest.raises(EngineError):
         store.save(s)
     assert not os.listdir(os.path.join(store.path, "index"))
     assert not os.listdir(os.path.join(store.path, "packs"))
