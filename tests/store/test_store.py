@@ -157,8 +157,9 @@ def test_missing_logits_or_chunk_refuses(tmp_path):
         store.restore(hit, live, TOKENS[:300])
     assert info.value.category == "incomplete" and live.position == 0
     os.rename(logits + ".away", logits)
-    chunk = next(Path(store.path, "chunks").iterdir())
-    chunk.unlink()
+    top = store.load_chain(hit.manifest_id)[0]
+    needed = next(ref for key, _span, ref in top.chunk_refs() if key.layer == 0)  # a full-span layer
+    Path(store.chunk_path(needed.content_id)).unlink()
     with pytest.raises(StoreError):
         store.restore(store.find_deepest(TOKENS[:300], eng.layout, eng.ids()), live, TOKENS[:300])
     assert live.position == 0
@@ -208,3 +209,33 @@ def test_gc_removes_only_unreferenced(tmp_path):
     assert removed["chunks"] == 1 and removed["packs"] == 1 and removed["temp"] == 1
     after = store.verify()
     assert after["ok"] and after["cuts"] == before["cuts"]
+
+
+def test_save_an_earlier_cut_with_its_captured_logits(tmp_path):
+    from kvpack.engine.arrays import ArrayEngine, array_layout
+
+    eng = ArrayEngine(array_layout(windowed={}))
+    store = new_store(tmp_path)
+    captured = {}
+    s = eng.new_session()
+    s.prefill(TOKENS[:700], chunk_size=256, on_chunk=lambda ss: captured.__setitem__(ss.position, bytes(ss.export_logits())))
+    for cut in (256, 512):
+        store.save(s, cut=cut, logits=captured[cut])
+    store.save(s)
+    hit = store.find_deepest(TOKENS[:600], eng.layout, eng.ids())
+    assert hit.cut == 512
+    live = eng.new_session()
+    store.restore(hit, live, TOKENS[:600])
+    assert live.cache_digest() == session_with(eng, TOKENS[:512]).cache_digest()
+    with pytest.raises(StoreError):
+        store.save(s, cut=300)  # no logits captured for it
+
+
+def test_earlier_cut_refused_when_a_window_has_moved_on(tmp_path):
+    store = new_store(tmp_path)
+    eng = engine()
+    s = session_with(eng, TOKENS[:700])
+    with pytest.raises(StoreError) as info:
+        store.save(s, cut=256, logits=bytes(eng.layout.logits_bytes))
+    assert info.value.category == "usage"
+    assert not os.listdir(os.path.join(store.path, "packs"))

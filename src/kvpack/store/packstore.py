@@ -247,19 +247,40 @@ class PackStore:
         return None
 
     # -- save ------------------------------------------------------------------------------
-    def save(self, session, *, aux: Sequence[tuple[bytes, bytes]] = (), max_delta_depth: int = C.MAX_DELTA_DEPTH) -> SaveReport:
-        """Publish the session's current cut: chunks, pack, final logits, then the index entry."""
+    def save(
+        self,
+        session,
+        *,
+        cut: int | None = None,
+        logits: bytes | memoryview | None = None,
+        aux: Sequence[tuple[bytes, bytes]] = (),
+        max_delta_depth: int = C.MAX_DELTA_DEPTH,
+    ) -> SaveReport:
+        """Publish a cut of the session: chunks, pack, final logits, then the index entry.
+
+        By default the cut is the session's position and its logits are the session's last
+        row. An earlier ``cut`` may be saved with the ``logits`` row captured at that point
+        (e.g. at each 256-token boundary during prefill), provided every layer still holds
+        the rows the cut needs (always true for full-span layers).
+        """
         t0 = time.perf_counter()
         layout: CacheLayout = session.layout
         ids = session.engine.identity.ids()
-        cut = session.position
-        if cut <= 0:
-            raise StoreError("usage", "nothing to save: the session holds no tokens")
-        logits = session.export_logits()  # refuse early: a cut without its logits is never written
-        if logits.nbytes != layout.logits_bytes:
+        cut = session.position if cut is None else cut
+        if not 0 < cut <= session.position:
+            raise StoreError("usage", f"cannot save cut {cut} of a session at position {session.position}")
+        if logits is None:
+            if cut != session.position:
+                raise StoreError("incomplete", "an earlier cut needs the logits row captured at that cut")
+            logits = session.export_logits()  # refuse early: a cut without its logits is never written
+        if memoryview(logits).nbytes != layout.logits_bytes:
             raise StoreError("incomplete", "final-logits row has the wrong size")
+        for spec in layout.layers:
+            need_lo = spec.retained_range(cut)[0]
+            if need_lo < cut and session.layout.retained_range(spec.index, session.position)[0] > need_lo:
+                raise StoreError("usage", f"layer {spec.index} no longer holds the window of cut {cut}")
         ctx = self.context(layout, ids, aux)
-        chain = self._chain(ctx, session.tokens)
+        chain = self._chain(ctx, session.tokens[:cut])
         node = chain.nodes[-1]
         cut_id = InputCutId(node.node_id, ctx.aux_root, cut)
         with self._lock(exclusive=False):
@@ -275,7 +296,7 @@ class PackStore:
                 depth = 0
                 schema = build_schema(ctx.family, cut, max_chunk_bytes=self.chunk_bytes)
             report = SaveReport("", cut, "delta" if parent else "full", depth)
-            refs = self._write_chunks(session, ctx, schema, report)
+            refs = self._write_chunks(session, ctx, schema, report, cut)
             payload = tuple(PayloadState(fs.key, tuple(refs[fs.key])) for fs in ctx.family.states)
             manifest = Manifest(self.tenant, self.epoch, semantic_id(ids), cut_id, ctx.family, schema, payload)
             mbytes = manifest.encode()
@@ -321,9 +342,10 @@ class PackStore:
             return manifest, mid
         return None
 
-    def _span_plaintext(self, session, layer: int, role: str, start: int, stop: int) -> memoryview | bytes:
-        """Rows [start, stop) of a state; rows a windowed layer no longer retains are zero."""
-        lo, hi = session.layout.retained_range(layer, session.position)
+    def _span_plaintext(self, session, layer: int, role: str, start: int, stop: int, cut: int) -> memoryview | bytes:
+        """Rows [start, stop) of a state at ``cut``; rows outside a windowed layer's window at
+        the cut are zero (see mapping.py)."""
+        lo, hi = session.layout.retained_range(layer, cut)
         a, b = max(start, lo), min(stop, hi)
         if a <= start and b >= stop:
             return session.export_rows(layer, role, start, stop)
@@ -333,7 +355,7 @@ class PackStore:
             out[(a - start) * row : (b - start) * row] = session.export_rows(layer, role, a, b)
         return out
 
-    def _write_chunks(self, session, ctx: _Context, schema, report: SaveReport) -> dict:
+    def _write_chunks(self, session, ctx: _Context, schema, report: SaveReport, cut: int) -> dict:
         refs: dict = {fs.key: [None] * len(rs.spans) for fs, rs in zip(ctx.family.states, schema.states)}
         jobs = [(fs, i, span) for fs, rs in zip(ctx.family.states, schema.states) for i, span in enumerate(rs.spans)]
         # export from the engine on this thread (engines need not be thread-safe), hash and
@@ -341,7 +363,7 @@ class PackStore:
         with ThreadPoolExecutor(self.workers) as pool:
             pending: list[Future] = []
             for fs, i, span in jobs:
-                plaintext = self._span_plaintext(session, fs.key.layer, fs.key.name, span.token_start, span.token_start + span.token_count)
+                plaintext = self._span_plaintext(session, fs.key.layer, fs.key.name, span.token_start, span.token_start + span.token_count, cut)
                 pending.append(pool.submit(self._write_one_chunk, ctx, fs, i, span, plaintext))
                 if len(pending) >= 2 * self.workers:
                     self._collect(pending.pop(0), refs, report)
