@@ -203,6 +203,21 @@ def test_cuda_restore_is_bit_identical():
     ref.prefill(random_tokens(300, 512))
     restored = eng.new_session()
     transfer_cut(ref, restored)
+    assert restored.cache_digest() == ref.cache_digest()
     a, la = ref.decode_greedy(16)
     b, lb = restored.decode_greedy(16)
+    assert la[0].device.type == "cuda"
     assert a == b and all(torch.equal(x, y) for x, y in zip(la, lb))
+    # Prefix at 256 (exported from the chunk callback) + suffix prefill, on the GPU.
+    prompt = random_tokens(400, 512, seed=2)
+    full = eng.new_session()
+    holder = {}
+
+    def save(session):
+        if session.position == 256:
+            holder["p"] = eng.new_session()
+            transfer_cut(session, holder["p"], with_logits=False)
+
+    full.prefill(prompt, on_chunk=save)
+    holder["p"].prefill(prompt[256:])
+    assert holder["p"].cache_digest() == full.cache_digest()
