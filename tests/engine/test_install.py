@@ -179,3 +179,20 @@ def test_bad_cut_or_tokens_are_refused(cohere2_engine, live, cut, tokens):
     with pytest.raises(EngineError) as err:
         live.begin_install(cut, tokens, cohere2_engine.identity)
     assert err.value.category == "install"
+
+
+def test_identity_bytes_are_stable_across_processes(cohere2_engine):
+    """A pack written by one process must be reachable from another: the identity (and so
+    the SemanticModelId and family bytes) is recomputed there from scratch, equal."""
+    import subprocess
+    import sys
+
+    code = (
+        "from kvpack.engine.models import build_cohere2\n"
+        "from kvpack.engine.transformers_adapter import TransformersEngine\n"
+        f"e = TransformersEngine(build_cohere2(seed=0, num_hidden_layers=8, sliding_window=24), threads={THREADS}, "
+        "prefill_chunk_tokens=64)\n"
+        "print(e.ids().encode().hex())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300)
+    assert bytes.fromhex(out.stdout.strip().splitlines()[-1]) == cohere2_engine.ids().encode()
