@@ -1,0 +1,127 @@
+"""Generation with the pack store: reuse the deepest stored prefix, prefill only the rest,
+decode greedily, save the new cut and its 256-token checkpoints.
+
+Used by ``kvpack generate``, ``kvpack store save``, the demo and the TTFT benchmark. The
+same prompt gives the same tokens (and bit-identical logits) whether or not a prefix was
+reused, because restore is byte-exact and prefill chunk boundaries are absolute multiples of
+the engine's chunk size in both cases.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+from .format.constants import PREFIX_BLOCK_TOKENS
+from .store import PackStore
+
+
+@dataclass
+class GenerateResult:
+    text: str
+    tokens: list[int]
+    prompt_tokens: int
+    reused_tokens: int
+    prefilled_tokens: int
+    reused_bytes: int
+    restore_s: float
+    prefill_s: float
+    ttft_s: float
+    decode_s: float
+    save_s: float
+    saved_cuts: list[int] = field(default_factory=list)
+    manifest_id: str | None = None
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def chat_tokens(engine, prompt: str, *, chat: bool = True) -> list[int]:
+    """Token ids of a user prompt, through the model's chat template when it has one."""
+    tok = engine.tokenizer
+    if chat and getattr(tok, "chat_template", None):
+        out = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
+        ids = out["input_ids"] if hasattr(out, "keys") else out
+        return [int(t) for t in ids]
+    return engine.encode(prompt)
+
+
+def prefill_with_checkpoints(session, tokens: list[int], checkpoints: dict[int, bytes], store: PackStore | None = None) -> None:
+    """Prefill ``tokens`` in the engine's aligned chunks, capturing the logits row at every
+    256-token boundary so those cuts can be saved. A model with windowed layers must save
+    them right there (``store``), while the window ending at the boundary is still held."""
+
+    def capture(s) -> None:
+        if s.position % PREFIX_BLOCK_TOKENS == 0:
+            if store is not None:
+                store.save(s)
+            else:
+                checkpoints[s.position] = bytes(s.export_logits())
+
+    session.prefill(tokens, on_chunk=capture)
+
+
+def generate(engine, store: PackStore | None, prompt_tokens: list[int], *, max_new_tokens: int = 32, save: bool = True) -> GenerateResult:
+    t0 = time.perf_counter()
+    session = engine.new_session()
+    reused = reused_bytes = 0
+    restore_s = 0.0
+    if store is not None:
+        hit = store.find_deepest(prompt_tokens, engine.layout, engine.identity.ids())
+        if hit is not None:
+            report = store.restore(hit, session, prompt_tokens)
+            reused, reused_bytes, restore_s = hit.cut, report.bytes_verified, report.seconds
+    checkpoints: dict[int, bytes] = {}
+    t_prefill = time.perf_counter()
+    rest = prompt_tokens[session.position :]
+    if rest:
+        save_now = store if (store is not None and save and session.layout.windowed_layers()) else None
+        prefill_with_checkpoints(session, rest, checkpoints, save_now)
+    prefill_s = time.perf_counter() - t_prefill
+    prompt_cut = session.position
+    checkpoints[prompt_cut] = bytes(session.export_logits())
+    ttft_s = time.perf_counter() - t0  # the first token is the argmax of the logits we now hold
+    saving = store is not None and save
+    windowed = bool(session.layout.windowed_layers())
+    save_s = 0.0
+    if saving and windowed:
+        # windowed layers hold the prompt cut's window only now, before decoding moves it
+        t_save = time.perf_counter()
+        store.save(session)
+        save_s += time.perf_counter() - t_save
+    eos = getattr(engine.tokenizer, "eos_token_id", None) if engine.tokenizer is not None else None
+    t_decode = time.perf_counter()
+    new_tokens, _logits = session.decode_greedy(max_new_tokens, stop_token_ids=[eos] if eos is not None else ())
+    decode_s = time.perf_counter() - t_decode
+    saved: list[int] = []
+    manifest_id = None
+    if saving:
+        t_save = time.perf_counter()
+        if not windowed:
+            # full-span layers keep every row: save the aligned checkpoints and the prompt's
+            # exact cut from the final session, off the TTFT path
+            for cut in sorted(checkpoints):
+                store.save(session, cut=cut, logits=checkpoints[cut])
+        saved = sorted(c for c in checkpoints if c % PREFIX_BLOCK_TOKENS == 0 or c == prompt_cut)
+        # The decoded continuation is not saved: a cut reached by decode steps is exact for
+        # its own continuation but is not what a chunked prefill of the same tokens computes,
+        # and "same prompt, same text, reused or not" must hold (docs/store.md).
+        hit = store.find_deepest(prompt_tokens, engine.layout, engine.identity.ids())
+        manifest_id = hit.manifest_id.hex() if hit is not None and hit.cut == prompt_cut else None
+        save_s += time.perf_counter() - t_save
+    text = engine.decode(new_tokens) if engine.tokenizer is not None else ""
+    return GenerateResult(
+        text=text,
+        tokens=new_tokens,
+        prompt_tokens=len(prompt_tokens),
+        reused_tokens=reused,
+        prefilled_tokens=len(rest),
+        reused_bytes=reused_bytes,
+        restore_s=restore_s,
+        prefill_s=prefill_s,
+        ttft_s=ttft_s,
+        decode_s=decode_s,
+        save_s=save_s,
+        saved_cuts=saved,
+        manifest_id=manifest_id,
+    )
