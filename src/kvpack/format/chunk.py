@@ -253,8 +253,9 @@ def decode_chunk(
     key: StateKey,
     keys: Keys,
     family_digest: bytes | None = None,
-) -> bytes:
-    """Verify a chunk object against its manifest ref and return the plaintext.
+) -> bytes | memoryview:
+    """Verify a chunk object against its manifest ref and return the plaintext (a read-only
+    view into ``obj`` for raw unencrypted chunks, bytes otherwise).
 
     Every check of A.5 runs in the normative order; the first failure raises FormatError.
     ``family_digest`` may be passed to avoid recomputing it per chunk.

@@ -111,8 +111,11 @@ def encode_frame(codec: int, plaintext: bytes | memoryview) -> bytes:
     return _frame_header(codec, n) + body
 
 
-def decode_frame(codec: int, frame: bytes | memoryview, expected: int) -> bytes:
-    """Decode a frame to exactly ``expected`` plaintext bytes, refusing any non-canonical form."""
+def decode_frame(codec: int, frame: bytes | memoryview, expected: int) -> bytes | memoryview:
+    """Decode a frame to exactly ``expected`` plaintext bytes, refusing any non-canonical form.
+
+    A raw frame's plaintext is returned as a read-only view into ``frame`` (no copy: the
+    restore path hands it straight to the engine's install)."""
     if len(frame) < C.CODEC_FRAME_HEADER_BYTES:
         raise fail("truncated", f"frame: {len(frame)} bytes, shorter than its header")
     magic, version, reserved, decoded = _HDR.unpack_from(frame, 0)
@@ -128,7 +131,7 @@ def decode_frame(codec: int, frame: bytes | memoryview, expected: int) -> bytes:
     if codec == C.CODEC_RAW:
         if len(body) != expected:
             raise fail("bounds", f"raw frame: {len(body)} payload bytes, expected {expected}")
-        return bytes(body)
+        return body.toreadonly()
     plaintext = packbits_decode(body, expected)
     if packbits_encode(plaintext) != body:
         raise fail("reserved", "lossless frame: not the canonical encoding")

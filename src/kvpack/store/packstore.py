@@ -265,7 +265,7 @@ class PackStore:
         """
         t0 = time.perf_counter()
         layout: CacheLayout = session.layout
-        ids = session.engine.identity.ids()
+        ids = _engine_ids(session)
         cut = session.position if cut is None else cut
         if not 0 < cut <= session.position:
             raise StoreError("usage", f"cannot save cut {cut} of a session at position {session.position}")
@@ -450,7 +450,7 @@ class PackStore:
         Any mismatch refuses with StoreError and the live session is left untouched."""
         t0 = time.perf_counter()
         layout: CacheLayout = session.layout
-        ids = session.engine.identity.ids()
+        ids = _engine_ids(session)
         ctx = self.context(layout, ids, aux)
         if len(tokens) < hit.cut:
             raise StoreError("usage", f"{len(tokens)} tokens for a cut of {hit.cut}")
@@ -661,6 +661,12 @@ class PackStore:
                         removed[label] += 1
                 sync_dir(directory, ops=self.ops)
         return removed
+
+
+def _engine_ids(session) -> IdentityIds:
+    """The session engine's identity ids (cached by engines that offer ``ids()``)."""
+    engine = session.engine
+    return engine.ids() if hasattr(engine, "ids") else engine.identity.ids()
 
 
 def _corrupt(what: str, exc: FormatError) -> StoreError:
