@@ -1,0 +1,82 @@
+"""``kvpack store ...`` and ``kvpack generate`` as a user runs them."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from .helpers import TOKENS, engine, new_store, session_with
+
+KVPACK = [sys.executable, "-m", "kvpack.cli"]
+
+
+def run(*args, timeout=900):
+    return subprocess.run([*KVPACK, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_store_init_ls_verify_show_gc(tmp_path):
+    path = str(tmp_path / "s")
+    r = run("store", "init", path, "--encrypt", "--chunk-bytes", "4096")
+    assert r.returncode == 0, r.stderr
+    assert oct(os.stat(os.path.join(path, "root.key")).st_mode & 0o777) == "0o600"
+    from kvpack.store import PackStore
+
+    store = PackStore.open(path)
+    session_with(engine(), TOKENS[:600], store)
+    rows = json.loads(run("store", "ls", path, "--json").stdout)
+    assert sorted(r["tokens"] for r in rows) == [256, 512, 600]
+    assert all(r["has_logits"] for r in rows)
+    r = run("store", "verify", path, "--read-data", "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["ok"]
+    top = max(rows, key=lambda r: r["tokens"])
+    shown = json.loads(run("store", "show", path, top["manifest_id"]).stdout)
+    assert [m["token_count"] for m in shown["chain"]] == [600, 512, 256]
+    assert run("store", "show", path, "zz").returncode == 2
+    # damage one chunk: verify --read-data reports it and exits 1; gc does not hide it
+    chunk = sorted(os.listdir(os.path.join(path, "chunks")))[0]
+    with open(os.path.join(path, "chunks", chunk), "r+b") as fh:
+        fh.seek(5000)
+        b = fh.read(1)
+        fh.seek(5000)
+        fh.write(bytes([b[0] ^ 1]))
+    r = run("store", "verify", path, "--read-data")
+    assert r.returncode == 1 and "problem:" in r.stdout
+    assert run("store", "gc", path, "--json").returncode == 0
+    assert run("store", "verify", path, "--read-data").returncode == 1
+
+
+def test_store_refuses_bad_key_file(tmp_path):
+    path = str(tmp_path / "s")
+    assert run("store", "init", path).returncode == 0
+    os.chmod(os.path.join(path, "root.key"), 0o640)
+    r = run("store", "ls", path)
+    assert r.returncode == 1 and "refused key" in r.stderr
+    r = run("store", "ls", str(tmp_path / "nope"))
+    assert r.returncode == 1 and "not a kvpack store" in r.stderr
+
+
+@pytest.mark.slow
+def test_generate_reuses_the_stored_prefix_and_gives_the_same_text(tmp_path):
+    pytest.importorskip("transformers")
+    store = str(tmp_path / "gen")
+    prompt = "List three facts about the Moon, one per line. " * 30
+    first = run("generate", "--store", store, "--prompt", prompt, "--max-new-tokens", "12", "--json", "--threads", "2")
+    assert first.returncode == 0, first.stderr[-2000:]
+    a = json.loads(first.stdout)
+    assert a["reused_tokens"] == 0 and a["prefilled_tokens"] == a["prompt_tokens"] > 256
+    assert {"text", "reused_tokens", "prefilled_tokens", "ttft_s"} <= set(a)
+    second = run("generate", "--store", store, "--prompt", prompt, "--max-new-tokens", "12", "--json", "--threads", "2")
+    b = json.loads(second.stdout)
+    assert b["reused_tokens"] == b["prompt_tokens"] and b["prefilled_tokens"] == 0
+    assert b["text"] == a["text"] and b["tokens"] == a["tokens"]
+    third = run("generate", "--store", store, "--prompt", prompt + " And one about Mars.", "--max-new-tokens", "4", "--json", "--threads", "2")
+    c = json.loads(third.stdout)
+    assert c["reused_tokens"] % 256 == 0 and c["reused_tokens"] >= 256
+    assert c["prefilled_tokens"] == c["prompt_tokens"] - c["reused_tokens"]
+    # the same prompt without the store gives the same text (reuse changes nothing)
+    fresh = run("generate", "--store", str(tmp_path / "empty"), "--no-save", "--prompt", prompt + " And one about Mars.", "--max-new-tokens", "4", "--json", "--threads", "2")
+    assert json.loads(fresh.stdout)["tokens"] == c["tokens"]
