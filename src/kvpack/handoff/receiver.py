@@ -175,6 +175,10 @@ class Receiver:
     def bytes_received(self) -> int:
         return self._acc.total_bytes
 
+    def seal_core(self):
+        """The seal core of what was received so far (digests for receipts); None before begin."""
+        return None if self.manifest is None else self._acc.core(self.manifest)
+
     def wanted(self) -> memoryview:
         """Buffer for ``recv_into``; empty once the transfer is final."""
         if self.state is ReceiverState.DONE:

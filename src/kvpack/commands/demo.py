@@ -1,0 +1,239 @@
+"""``kvpack demo``: disaggregated prefill with SmolLM2 on a throwaway loopback cluster.
+
+One command, offline, no flags. It enrolls a cluster (CA, a decode node, a prefill node,
+pins, pair HMAC key) in a temporary directory, starts the producer and the receiver on
+127.0.0.1 (in-process threads, real sockets, mutual TLS 1.3), and then:
+
+1. computes the local, uninterrupted reference: prefill of the prompt minus its boundary
+   token, the boundary token, greedy decode -- the same computation order the handoff
+   path performs (docs/engine.md, "Determinism");
+2. asks the receiver for the same prompt: the producer prefills, streams sealed tiles,
+   the receiver verifies, reserves, commits, decodes. Proof: tokens and every logits row
+   identical to (1);
+3. a follow-up prompt sharing a prefix: the receiver's resident tier arms a delta, the
+   producer installs the prefix it computed before and prefills only the suffix. Proof:
+   identical to its own local reference; fewer bytes and fewer prefilled tokens;
+4. the follow-up's cut is saved to the receiver's pack store and restored in a new
+   process, which decodes the same tokens.
+
+``--json`` prints one object (``bit_exact``, ``full_bytes``, ``delta_bytes``,
+``prefilled_tokens_full``, ``prefilled_tokens_delta``, ``payload_gbps`` (Gbit/s on the
+wire while sending payload), ``ttft_s`` and the rest).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+DOCUMENT = (
+    "kvpack moves the key-value cache of a language model between machines exactly and provably. "
+    "A prefill node computes the cache for a prompt and streams it to a decode node in tiles. "
+    "Every tile is hashed, and the whole stream is sealed with an HMAC over the canonical begin "
+    "manifest, the segment descriptors and every payload byte. Mutual TLS 1.3 with pinned leaf "
+    "certificates proves who is on the other end of the socket; the seal proves what was sent; "
+    "and a durable replay ledger proves when it was sent, because a captured transfer that is "
+    "replayed carries a generation the ledger has already reserved. The decode node writes each "
+    "verified tile into a detached generation of its cache while the rest is still on the wire. "
+    "Only after the seal verifies and the generation is reserved on disk does it swap the new "
+    "cache in, atomically, and acknowledge. If anything fails before that point, nothing is "
+    "installed and the live session is exactly as it was. When the decode node already holds a "
+    "prefix of the prompt, aligned on a 256-token boundary, it asks for a delta: the producer "
+    "computes and ships only the suffix, and the decode node proves at admission that the prefix "
+    "it holds is token for token the one the producer built on. The ledger must live on the "
+    "internal disk, because its reservation sits between the verified seal and the "
+    "acknowledgement, so the tail latency of a slow volume is paid by random transfers. "
+    "Receipts record every phase of every transfer, and metrics count transfers, bytes, "
+    "refusals and ledger reservations, so an operator can see the system working."
+)
+QUESTION_1 = "In two sentences: what does the replay ledger prove, and why must it be durable?"
+QUESTION_2 = "In one sentence: where must the ledger live, and why?"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _local_reference(engine, tokens: list[int], n: int, stops) -> dict:
+    from ..node.common import greedy, logits_bytes
+
+    s = engine.new_session()
+    t0 = time.perf_counter()
+    s.prefill(tokens[:-1])
+    s.prefill(tokens[-1:])
+    ttft = time.perf_counter() - t0
+    out, rows = greedy(s, n, stops)
+    return {"tokens": out, "logits_sha256": hashlib.sha256(logits_bytes(rows)).hexdigest(), "ttft_s": ttft}
+
+
+def _restore_child(store_dir: str, tokens_file: str, n: int) -> int:
+    """Runs in a fresh process: restore the saved cut from the pack store and decode."""
+    from ..node.common import greedy, load_engine, logits_bytes
+    from ..store import PackStore
+
+    engine = load_engine("smollm2")
+    with open(tokens_file, encoding="utf-8") as fh:
+        tokens = json.load(fh)
+    store = PackStore.open(store_dir)
+    hit = store.find_deepest(tokens, engine.layout, engine.identity.ids())
+    if hit is None or hit.cut != len(tokens):
+        print(json.dumps({"ok": False, "error": "no saved cut for the prompt"}))
+        return 1
+    s = engine.new_session()
+    rep = store.restore(hit, s, tokens)
+    eos = engine.tokenizer.eos_token_id
+    out, rows = greedy(s, n, [eos] if eos is not None else ())
+    print(json.dumps({"ok": True, "cut": hit.cut, "restore_s": rep.seconds, "bytes_verified": rep.bytes_verified,
+                      "tokens": out, "logits_sha256": hashlib.sha256(logits_bytes(rows)).hexdigest()}))
+    return 0
+
+
+def run_demo(max_new_tokens: int = 24, *, quiet: bool = False) -> dict:
+    from ..generate import chat_tokens
+    from ..node.common import load_engine
+    from ..node.producer import ProducerNode
+    from ..node.receiver import ReceiverNode
+    from ..node.wire import identity_file_json
+    from ..progress import status
+    from ..security.config import load_producer_config, load_receiver_config
+    from ..security.enroll import Cluster
+    from ..store import PackStore
+
+    def say(msg: str) -> None:
+        if not quiet:
+            print(msg, flush=True)
+
+    t_all = time.perf_counter()
+    with status("loading SmolLM2-135M-Instruct (bundled GGUF, offline) ..."):
+        engine = load_engine("smollm2")
+    eos = engine.tokenizer.eos_token_id
+    stops = [eos] if eos is not None else []
+    tmp = tempfile.mkdtemp(prefix="kvpack-demo-")
+    with status("enrolling a throwaway cluster (CA, decode node, prefill node, pins, pair key) ..."):
+        cluster = Cluster.init(os.path.join(tmp, "cluster"), identity=identity_file_json(engine))
+        cluster.enroll_node("decode-a", "receiver", listen=f"127.0.0.1:{_free_port()}")
+        cluster.enroll_node("prefill-a", "producer", control_listen=f"127.0.0.1:{_free_port()}")
+        rcfg = load_receiver_config(cluster.receiver_config_path("decode-a", "prefill-a"))
+        pcfg = load_producer_config(cluster.producer_config_path("prefill-a"))
+        rstore = PackStore.init(os.path.join(tmp, "decode-store"))
+        pstore = PackStore.init(os.path.join(tmp, "prefill-store"))
+    producer = ProducerNode(pcfg, engine, receipts_dir=os.path.join(tmp, "prefill-receipts"), store=pstore).start()
+    receiver = ReceiverNode(rcfg, engine, receipts_dir=os.path.join(tmp, "decode-receipts"), store=rstore,
+                            socket_path=None).start()
+    say(f"cluster in {tmp}: producer control 127.0.0.1:{producer.control_port}, receiver data "
+        f"127.0.0.1:{receiver.data_port}, metrics 127.0.0.1:{receiver.metrics.port} / :{producer.metrics.port}")
+    try:
+        p1 = chat_tokens(engine, DOCUMENT + "\n\n" + QUESTION_1)
+        p2 = chat_tokens(engine, DOCUMENT + "\n\n" + QUESTION_2)
+        with status(f"local reference: prefill {len(p1)} tokens and decode on one node ..."):
+            ref1 = _local_reference(engine, p1, max_new_tokens, stops)
+        with status("disaggregated: control -> prefill -> sealed tiles over mTLS -> verify -> reserve -> commit -> decode ..."):
+            r1 = receiver.generate(p1, max_new_tokens, stop_token_ids=stops)
+        t1 = r1["transfer"]
+        pr1 = t1["producer_receipt"] or {}
+        exact1 = r1["tokens"] == ref1["tokens"] and r1["logits_sha256"] == ref1["logits_sha256"]
+        wire_s = pr1.get("payload_wire_ns", 0) / 1e9
+        gbps = t1["payload_bytes"] * 8 / wire_s / 1e9 if wire_s else 0.0
+        split = {
+            "control_s": round(t1["control_s"], 4),
+            "prefill_s": round((pr1.get("prefill_end_unix_ns", 0) - pr1.get("prefill_start_unix_ns", 0)) / 1e9, 4),
+            "wire_s": round(wire_s, 4),
+            "verify_s": t1["durations_s"].get("verify"),
+            "reserve_s": t1["durations_s"].get("reserve"),
+            "commit_s": t1["durations_s"].get("commit"),
+            "boundary_s": r1["boundary_s"],
+        }
+        answer1 = engine.decode(r1["tokens"])
+        say(f"\nQ1 ({len(p1)} prompt tokens): {QUESTION_1}\nA1: {answer1.strip()}")
+        say(f"  bit-exact vs local decoding (tokens and {len(r1['tokens'])} logits rows): {exact1}")
+        say(f"  full handoff: {t1['payload_bytes']:,} B in {t1['segments']} sealed tiles, {gbps:.2f} Gbit/s while sending; "
+            f"producer prefilled {pr1.get('prefill_tokens')} tokens")
+        say(f"  TTFT {r1['ttft_s']:.3f} s = " + ", ".join(f"{k[:-2]} {v:.4f}" for k, v in split.items() if v is not None)
+            + " (prefill and wire overlap: tiles stream per chunk)")
+        with status(f"local reference for the follow-up ({len(p2)} tokens) ..."):
+            ref2 = _local_reference(engine, p2, max_new_tokens, stops)
+        with status("follow-up: resident prefix arms a delta; producer prefills only the suffix ..."):
+            r2 = receiver.generate(p2, max_new_tokens, save=True, stop_token_ids=stops)
+        t2 = r2["transfer"]
+        pr2 = t2["producer_receipt"] or {}
+        exact2 = r2["tokens"] == ref2["tokens"] and r2["logits_sha256"] == ref2["logits_sha256"]
+        full_equiv = receiver.geometry.tile_bytes(len(p2) - 1)
+        say(f"\nQ2: {QUESTION_2}\nA2: {engine.decode(r2['tokens']).strip()}")
+        say(f"  delta handoff (prefix_cut {t2['prefix_cut']}, {r2['plan']['tier']} tier): {t2['payload_bytes']:,} B "
+            f"instead of {full_equiv:,} B ({100 * (1 - t2['payload_bytes'] / full_equiv):.1f} % saved); producer "
+            f"prefilled {pr2.get('prefill_tokens')} of {len(p2) - 1} tokens ({len(p2) - 1 - pr2.get('prefill_tokens', 0)} not recomputed)")
+        say(f"  bit-exact vs local decoding: {exact2}")
+        tokens_file = os.path.join(tmp, "prompt2.json")
+        with open(tokens_file, "w", encoding="utf-8") as fh:
+            json.dump(p2, fh)
+        with status("restoring the saved cut in a new process and decoding ..."):
+            child = subprocess.run(
+                [sys.executable, "-m", "kvpack.commands.demo", "--restore-child", rstore.path, tokens_file, str(max_new_tokens)],
+                capture_output=True, text=True, timeout=300,
+            )
+        try:
+            restored = json.loads(child.stdout.strip().splitlines()[-1])
+        except (IndexError, ValueError):
+            restored = {"ok": False, "error": child.stderr[-2000:]}
+        exact3 = bool(restored.get("ok")) and restored["tokens"] == r2["tokens"] and restored["logits_sha256"] == r2["logits_sha256"]
+        say(f"  saved to the durable store ({r2['saved']['kind']} pack, cut {r2['saved']['cut']}); new process restored "
+            f"{restored.get('bytes_verified', 0):,} verified bytes and decoded identically: {exact3}")
+        out = {
+            "bit_exact": bool(exact1 and exact2 and exact3),
+            "bit_exact_full": exact1,
+            "bit_exact_delta": exact2,
+            "bit_exact_restore_new_process": exact3,
+            "answer": answer1.strip(),
+            "prompt_tokens": len(p1),
+            "followup_prompt_tokens": len(p2),
+            "full_bytes": t1["payload_bytes"],
+            "delta_bytes": t2["payload_bytes"],
+            "delta_full_equivalent_bytes": full_equiv,
+            "bytes_saved": full_equiv - t2["payload_bytes"],
+            "prefix_cut": t2["prefix_cut"],
+            "prefilled_tokens_full": pr1.get("prefill_tokens"),
+            "prefilled_tokens_delta": pr2.get("prefill_tokens"),
+            "tokens_not_recomputed": len(p2) - 1 - pr2.get("prefill_tokens", 0),
+            "payload_gbps": round(gbps, 3),
+            "ttft_s": r1["ttft_s"],
+            "ttft_split_s": split,
+            "ttft_delta_s": r2["ttft_s"],
+            "local_ttft_s": round(ref1["ttft_s"], 4),
+            "receipts": {"receiver": len(receiver.receipts.all()), "producer": len(producer.receipts.all())},
+            "cluster_dir": tmp,
+            "seconds": round(time.perf_counter() - t_all, 2),
+        }
+        say(f"\nall proofs hold: {out['bit_exact']}  ({out['seconds']} s; receipts under {tmp})")
+        return out
+    finally:
+        receiver.stop()
+        producer.stop()
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    out = run_demo(args.max_new_tokens, quiet=args.json)
+    if args.json:
+        print(json.dumps(out, sort_keys=True))
+    return 0 if out["bit_exact"] else 1
+
+
+def register(sub) -> None:
+    p = sub.add_parser("demo", help="disaggregated prefill with SmolLM2 on a throwaway loopback cluster, with proofs")
+    p.add_argument("--json", action="store_true", help="print one JSON object with the figures")
+    p.add_argument("--max-new-tokens", type=int, default=24)
+    p.set_defaults(func=cmd_demo)
+
+
+if __name__ == "__main__":  # the restore child: python -m kvpack.commands.demo --restore-child STORE TOKENS N
+    if len(sys.argv) == 5 and sys.argv[1] == "--restore-child":
+        sys.exit(_restore_child(sys.argv[2], sys.argv[3], int(sys.argv[4])))
+    sys.exit(2)

@@ -1,0 +1,143 @@
+"""Shared node plumbing: receipts, clocks, greedy decoding on any adapter, engine loading,
+and reading one MUPCTL1 control frame from a TLS channel under a deadline."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import select
+import time
+from typing import Any, Optional, Sequence
+
+from ..durable import atomic_write, ensure_dir
+from ..errors import KvpackError, ProtocolError, SecurityError
+from ..handoff.control import ControlDecoder
+
+RECEIPT_SCHEMA = "kvpack-node-receipt-v1"
+
+
+def now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+def verdict_of(exc: BaseException) -> tuple[str, str]:
+    """(reason, detail) of a refusal: the typed category when there is one."""
+    if isinstance(exc, KvpackError):
+        return exc.category, exc.message
+    if isinstance(exc, (TimeoutError, OSError)):
+        return "io", f"{type(exc).__name__}: {exc}"
+    return "internal", f"{type(exc).__name__}: {exc}"
+
+
+class ReceiptWriter:
+    """Per-transfer JSON receipts, each published durably (``kvpack.durable.atomic_write``):
+    a receipt that survives is complete, and one for a refusal is evidence, so it is written
+    before the daemon moves on."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = os.path.abspath(directory)
+        ensure_dir(self.directory, mode=0o700)
+
+    def write(self, receipt: dict) -> str:
+        receipt = {"schema": RECEIPT_SCHEMA, **receipt}
+        name = f"{time.time_ns()}-{receipt.get('role', 'node')}-{receipt.get('verdict', 'x')}-{secrets.token_hex(3)}.json"
+        path = os.path.join(self.directory, name)
+        atomic_write(path, json.dumps(receipt, indent=2, sort_keys=True).encode() + b"\n", mode=0o600)
+        return path
+
+    def all(self) -> list[dict]:
+        out = []
+        for name in sorted(os.listdir(self.directory)):
+            if name.endswith(".json") and not name.startswith("."):
+                with open(os.path.join(self.directory, name), "rb") as fh:
+                    out.append(json.loads(fh.read()))
+        return out
+
+
+def greedy(session, n: int, stop_token_ids: Sequence[int] = ()):
+    """Greedy decode ``n`` tokens on any adapter session; returns (tokens, logits rows)."""
+    if hasattr(session, "decode_greedy"):
+        return session.decode_greedy(n, stop_token_ids=stop_token_ids)
+    import numpy as np
+
+    stops = set(int(t) for t in stop_token_ids)
+    toks, rows = [], []
+    for _ in range(n):
+        row = np.asarray(session.last_logits, dtype=np.float32)
+        t = int(np.argmax(row))
+        toks.append(t)
+        rows.append(row.copy())
+        session.prefill([t])
+        if t in stops:
+            break
+    return toks, rows
+
+
+def logits_bytes(rows) -> bytes:
+    """The decode logits rows as one f32 LE byte string (for SHA-256 comparisons)."""
+    out = bytearray()
+    for r in rows:
+        if hasattr(r, "detach"):
+            out += r.detach().to("cpu").float().contiguous().numpy().tobytes()
+        else:
+            import numpy as np
+
+            out += np.asarray(r, dtype="<f4").tobytes()
+    return bytes(out)
+
+
+def load_engine(spec: str = "smollm2", *, threads: int = 2):
+    """``smollm2`` (the bundled model, transformers adapter) or ``arrays:LAYERS:HEADS:DIM``
+    (the NumPy adapter: same session protocol, no model; for tests and wire benchmarks)."""
+    if spec == "smollm2":
+        from ..engine.models import load_smollm2
+        from ..engine.transformers_adapter import TransformersEngine
+
+        return TransformersEngine(load_smollm2(), threads=threads, prefill_chunk_tokens=256)
+    if spec.startswith("arrays"):
+        from ..engine.arrays import ArrayEngine, array_layout
+
+        parts = [int(x) for x in spec.split(":")[1:]] or [4, 2, 8]
+        layers, heads, dim = (parts + [4, 2, 8][len(parts):])[:3]
+        return ArrayEngine(array_layout(layers=layers, kv_heads=heads, head_dim=dim, dtype="f32"), name=f"arrays-{layers}x{heads}x{dim}")
+    raise SecurityError("config", f"unknown engine {spec!r} (smollm2 or arrays:L:H:D)")
+
+
+def chunk_tokens(engine) -> int:
+    return int(getattr(engine, "prefill_chunk_tokens", 256))
+
+
+def read_control(channel, deadline: float, decoder: Optional[ControlDecoder] = None) -> Any:
+    """One MUPCTL1 message from a blocking TLS channel, or ``TimeoutError`` at ``deadline``
+    (monotonic). A close before a whole frame is ``ProtocolError('aborted')``."""
+    dec = decoder or ControlDecoder()
+    pending = dec.feed(b"")
+    buf = bytearray(1 << 16)
+    while not pending:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError("no control message before the deadline")
+        if not channel.sock.pending():
+            r, _, _ = select.select([channel.sock], [], [], remaining)
+            if not r:
+                continue
+        channel.settimeout(max(0.001, deadline - time.monotonic()))
+        try:
+            n = channel.recv_into(buf)
+        finally:
+            channel.settimeout(None)
+        if n == 0:
+            raise ProtocolError("aborted", "control connection closed before a whole message")
+        pending = dec.feed(bytes(buf[:n]))
+    if len(pending) > 1:
+        raise ProtocolError("state", "more than one control message where one was expected")
+    return pending[0]
+
+
+def readable(sock) -> bool:
+    """True if ``sock`` has bytes (or a close) waiting: a peer that spoke or went away."""
+    if hasattr(sock, "pending") and sock.pending():
+        return True
+    r, _, _ = select.select([sock], [], [], 0)
+    return bool(r)

@@ -1,0 +1,243 @@
+"""The reuse ladder of a node (seed 000 §26.4): live session, resident, durable, remote.
+
+Before a decode node asks a producer to prefill a prompt it looks for KV it already holds:
+
+1. **live** -- the node's live session, as far as its tokens were computed by prefill or
+   installed (decoded continuation tokens are excluded: a cut reached one decode step at a
+   time is not what a chunked prefill computes, docs/engine.md "History");
+2. **resident** -- :class:`ResidentRadix`, an in-memory token radix of recently installed
+   prompt prefixes, scoped by the engine's exact identity digest and bounded in bytes;
+3. **durable** -- the node's :class:`~kvpack.store.PackStore` (``find_deepest``);
+4. **remote** -- the producer (a full or delta handoff).
+
+:func:`kvpack.handoff.delta.classify_reuse` decides what a match is worth: a hit reaching
+``prompt - 1`` serves locally (the receiver decodes the held-back boundary token itself); a
+non-zero 256-aligned strict prefix from a *fetched* tier (resident, durable) **arms a delta**
+(``prefix_cut``); anything else is a full transfer. Arming is a proposal: the producer may
+still send a full transfer, and admission (``validate_prefix_cut``) re-verifies the held
+tokens against the begin manifest before a single row is used.
+
+A :class:`HeldPrefix` is what an armed delta (or a local serve) installs from: the held
+token ids and a source with ``export_rows(layer, role, start, stop)``. The producer uses the
+same radix and store to skip recomputing a prefix it has prefilled before, so its receipt's
+``prefill_tokens`` counts only the suffix.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from ..handoff.delta import ReuseAction, classify_reuse
+from ..handoff.schedule import PREFIX_CUT_ALIGN
+
+BLOCK = PREFIX_CUT_ALIGN
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    # Compare in 256-token blocks first (tuple equality runs in C), then token by token.
+    while i + BLOCK <= n and tuple(a[i : i + BLOCK]) == tuple(b[i : i + BLOCK]):
+        i += BLOCK
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class RowsSource:
+    """Rows ``[0, n)`` of every ``(layer, role)`` plane, held as bytes (a resident entry)."""
+
+    def __init__(self, tokens: Sequence[int], planes: dict, row_bytes: dict) -> None:
+        self.tokens = tuple(int(t) for t in tokens)
+        self.planes = planes
+        self.row_bytes = row_bytes
+        self.nbytes = sum(len(p) for p in planes.values())
+
+    @property
+    def position(self) -> int:
+        return len(self.tokens)
+
+    def export_rows(self, layer: int, role: str, start: int, stop: int) -> memoryview:
+        if not 0 <= start <= stop <= len(self.tokens):
+            raise ValueError(f"rows [{start}, {stop}) outside [0, {len(self.tokens)})")
+        rb = self.row_bytes[layer]
+        return memoryview(self.planes[(layer, role)])[start * rb : stop * rb]
+
+    @classmethod
+    def capture(cls, session, n: int) -> "RowsSource":
+        """Copy rows ``[0, n)`` out of a session (full-span layers: any n <= position)."""
+        layout = session.layout
+        planes = {}
+        for layer, role in layout.states():
+            planes[(layer, role)] = bytes(session.export_rows(layer, role, 0, n))
+        return cls(session.tokens[:n], planes, {s.index: s.row_bytes for s in layout.layers})
+
+
+@dataclass
+class HeldPrefix:
+    """KV a node holds for a prompt prefix: ``tokens`` and a source of their rows."""
+
+    tier: str
+    tokens: tuple[int, ...]
+    source: object  # export_rows(layer, role, start, stop)
+    restore_s: float = 0.0
+
+    @property
+    def matched(self) -> int:
+        return len(self.tokens)
+
+
+class _Node:
+    __slots__ = ("children", "entry")
+
+    def __init__(self) -> None:
+        self.children: dict[tuple, _Node] = {}
+        self.entry: Optional[RowsSource] = None
+
+
+class ResidentRadix:
+    """In-memory radix of installed prompt prefixes, one tree per engine identity.
+
+    Edges are 256-token blocks (the delta alignment), so every node is an armable cut; each
+    node points at the most recent entry covering it. An entry also answers exact matches on
+    its full length (for ``serve_local``). Entries are evicted least-recently-used once
+    ``max_bytes`` is exceeded.
+    """
+
+    def __init__(self, max_bytes: int = 1 << 30) -> None:
+        self.max_bytes = max_bytes
+        self._entries: "OrderedDict[tuple, RowsSource]" = OrderedDict()  # (identity, tokens) -> entry
+        self._roots: dict[bytes, _Node] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self._entries.values())
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def insert(self, identity: bytes, entry: RowsSource) -> None:
+        with self._lock:
+            key = (identity, entry.tokens)
+            self._entries.pop(key, None)
+            self._entries[key] = entry
+            while len(self._entries) > 1 and self.nbytes > self.max_bytes:
+                self._entries.popitem(last=False)
+            self._rebuild()
+
+    def _rebuild(self) -> None:
+        self._roots = {}
+        for (identity, tokens), entry in self._entries.items():  # oldest first: newest wins
+            node = self._roots.setdefault(identity, _Node())
+            for i in range(0, len(tokens) - BLOCK + 1, BLOCK):
+                node = node.children.setdefault(tokens[i : i + BLOCK], _Node())
+                node.entry = entry
+
+    def lookup(self, identity: bytes, tokens: Sequence[int]) -> Optional[HeldPrefix]:
+        """The deepest held prefix of ``tokens``: an exact entry covering ``len-1`` tokens, or
+        the deepest 256-aligned node."""
+        tokens = tuple(int(t) for t in tokens)
+        with self._lock:
+            best: Optional[HeldPrefix] = None
+            want = len(tokens) - 1
+            for (ident, etoks), entry in reversed(self._entries.items()):
+                # Only where a prefill of exactly ``want`` tokens computes the same rows: the
+                # entry ends there, or ``want`` is a chunk boundary (prefill chunks are
+                # absolute multiples of 256, so rows past a boundary depend on where the
+                # computing call ended; docs/engine.md "Determinism").
+                if (ident == identity and len(etoks) >= want > 0 and etoks[:want] == tokens[:want]
+                        and (len(etoks) == want or want % BLOCK == 0)):
+                    self._entries.move_to_end((ident, etoks))
+                    return HeldPrefix("resident", tokens[:want], entry)
+            node = self._roots.get(identity)
+            depth = 0
+            while node is not None:
+                child = node.children.get(tokens[depth : depth + BLOCK]) if depth + BLOCK <= len(tokens) else None
+                if child is None:
+                    break
+                node, depth = child, depth + BLOCK
+                best = HeldPrefix("resident", tokens[:depth], node.entry)
+            return best
+
+
+@dataclass
+class Plan:
+    """What the ladder decided for one prompt."""
+
+    action: ReuseAction
+    tier: str  # tier of the held prefix ("none" when nothing matched)
+    matched: int
+    held: Optional[HeldPrefix]
+    lookup_s: float
+
+    @property
+    def prefix_cut(self) -> int:
+        return self.matched if self.action is ReuseAction.ARM_DELTA else 0
+
+    def to_json(self) -> dict:
+        return {"action": self.action.value, "tier": self.tier, "matched": self.matched,
+                "prefix_cut": self.prefix_cut, "lookup_s": round(self.lookup_s, 6)}
+
+
+class Ladder:
+    """Decode-node reuse ladder over (live, resident, durable); remote is the fallback."""
+
+    def __init__(self, engine, resident: ResidentRadix, store=None) -> None:
+        self.engine = engine
+        self.identity = engine.identity.ids().digest()
+        self.resident = resident
+        self.store = store
+
+    def plan(self, tokens: Sequence[int], live_session=None, live_prefilled: int = 0) -> Plan:
+        t0 = time.perf_counter()
+        tokens = [int(t) for t in tokens]
+        p = len(tokens)
+        candidates: list[HeldPrefix] = []
+        if live_session is not None and live_prefilled:
+            m = common_prefix(live_session.tokens[:live_prefilled], tokens)
+            if m != live_prefilled:  # same rule as the resident exact match
+                m -= m % BLOCK
+            if m:
+                candidates.append(HeldPrefix("live", tuple(tokens[:m]), live_session))
+        res = self.resident.lookup(self.identity, tokens)
+        if res is not None:
+            candidates.append(res)
+        if self.store is not None:
+            hit = self.store.find_deepest(tokens, self.engine.layout, self.engine.identity.ids())
+            if hit is not None:
+                candidates.append(HeldPrefix("durable", tuple(tokens[: hit.cut]), (hit, tuple(tokens[: hit.cut]))))
+        # 1. anything reaching prompt-1 serves locally (live first: it costs nothing)
+        for c in candidates:
+            if classify_reuse(c.matched, p, c.tier) is ReuseAction.SERVE_LOCAL:
+                return Plan(ReuseAction.SERVE_LOCAL, c.tier, c.matched, c, time.perf_counter() - t0)
+        # 2. the deepest aligned prefix of a fetched tier arms a delta
+        best: Optional[Plan] = None
+        for c in candidates:
+            if c.tier == "live":
+                continue
+            aligned = c.matched - c.matched % BLOCK
+            if aligned and classify_reuse(aligned, p, c.tier) is ReuseAction.ARM_DELTA:
+                if best is None or aligned > best.matched:
+                    held = HeldPrefix(c.tier, tuple(tokens[:aligned]), c.source)
+                    best = Plan(ReuseAction.ARM_DELTA, c.tier, aligned, held, 0.0)
+        if best is not None:
+            best.lookup_s = time.perf_counter() - t0
+            return best
+        return Plan(ReuseAction.FULL_TRANSFER, "none", 0, None, time.perf_counter() - t0)
+
+    def materialize(self, held: HeldPrefix):
+        """A row source for ``held``: durable hits are restored (verified) into a scratch
+        session first; other tiers already are one."""
+        if held.tier != "durable":
+            return held.source
+        t0 = time.perf_counter()
+        scratch = self.engine.new_session()
+        hit, hit_tokens = held.source
+        self.store.restore(hit, scratch, list(hit_tokens))
+        held.restore_s = time.perf_counter() - t0
+        return scratch
