@@ -409,6 +409,28 @@ class EngineSession:
             raise EngineError("layout", f"layer {layer}: cumulative length disagrees with the session position")
         return t, lo
 
+    def export_rows_tensor(self, layer: int, role: str, start: int, stop: int):
+        """Rows ``[start, stop)`` of one state as a flat contiguous ``uint8`` tensor of
+        token-major wire bytes, on the session's device (the transpose runs there).
+
+        Same checks as :meth:`export_rows`, which is this tensor copied to the host."""
+        torch = _torch()
+        spec = self.layout.layer(layer)
+        self.layout.check_role(role)
+        if not 0 <= start <= stop <= self.position:
+            raise EngineError("layout", f"rows [{start}, {stop}) outside [0, {self.position})")
+        if start == stop:
+            return torch.empty(0, dtype=torch.uint8, device=self.engine.device)
+        t, lo = self._plane(layer, role)
+        if start < lo:
+            raise EngineError("layout", f"layer {layer} retains rows [{lo}, {self.position}); row {start} was evicted")
+        with torch.inference_mode():
+            rows = t[0, :, start - lo : stop - lo, :].transpose(0, 1).contiguous()
+            flat = rows.reshape(-1).view(torch.uint8)
+        if flat.numel() != (stop - start) * spec.row_bytes:  # pragma: no cover - geometry guard
+            raise EngineError("layout", "exported byte count disagrees with the layout")
+        return flat
+
     def export_rows(self, layer: int, role: str, start: int, stop: int) -> memoryview:
         """Rows ``[start, stop)`` (absolute token positions) of one state, token-major bytes.
 
@@ -416,25 +438,24 @@ class EngineSession:
         dtype, little-endian, ``(stop - start) * row_bytes`` long. For a windowed layer the
         range must lie inside :meth:`retained_range`; asking for evicted rows is refused.
         """
-        torch = _torch()
-        spec = self.layout.layer(layer)
-        self.layout.check_role(role)
-        if not 0 <= start <= stop <= self.position:
-            raise EngineError("layout", f"rows [{start}, {stop}) outside [0, {self.position})")
-        if start == stop:
+        flat = self.export_rows_tensor(layer, role, start, stop)
+        if flat.numel() == 0:
             return memoryview(b"")
-        t, lo = self._plane(layer, role)
-        if start < lo:
-            raise EngineError("layout", f"layer {layer} retains rows [{lo}, {self.position}); row {start} was evicted")
-        with torch.inference_mode():
-            rows = t[0, :, start - lo : stop - lo, :].transpose(0, 1).contiguous()
-            if rows.device.type != "cpu":
-                rows = rows.cpu()
-            flat = rows.reshape(-1).view(torch.uint8)
-        view = memoryview(flat.numpy())
-        if view.nbytes != (stop - start) * spec.row_bytes:  # pragma: no cover - geometry guard
-            raise EngineError("layout", "exported byte count disagrees with the layout")
-        return view
+        if flat.device.type != "cpu":
+            flat = flat.cpu()
+        return memoryview(flat.numpy())
+
+    def export_spans(self, requests, *, depth: int = 8):
+        """Export many ``(layer, role, start, stop)`` spans in order: yields ``(view, release)``
+        with ``view`` equal to :meth:`export_rows` of the span. On CUDA the device-to-host
+        copies go through pinned buffers, ``depth`` spans ahead of the consumer, who calls
+        ``release()`` once done with the view (kvpack.engine.cuda); on the CPU ``release``
+        is ``None``."""
+        if self.engine.device.type == "cuda":
+            from .cuda import export_spans
+
+            return export_spans(self, requests, depth=depth)
+        return ((self.export_rows(*req), None) for req in requests)
 
     def export_logits(self) -> memoryview:
         """The exact last-logits row: ``vocab_size`` float32 little-endian values."""
@@ -522,20 +543,39 @@ class DetachedInstall:
         if self.state != "open":
             raise EngineError("install", f"install already {self.state}")
 
+    def stager(self, slots: int):
+        """Restore staging for the store on a CUDA device (pinned host buffers, device
+        buffers, a copy stream: kvpack.engine.cuda.RestoreStager), or ``None`` on the CPU."""
+        device = self.session.engine.device
+        if device.type != "cuda":
+            return None
+        from .cuda import restore_stager
+
+        return restore_stager(device, slots)
+
     def write_rows(self, layer: int, role: str, start: int, data) -> None:
         """Copy token-major wire rows starting at absolute row ``start`` into the detached cache.
 
         ``data`` is any buffer (bytes, memoryview, bytearray); it is read in place through
         ``torch.frombuffer`` and copied once, transposing to the cache's head-major layout.
+        ``data`` may also be a flat ``uint8`` tensor on the install's device (a staged upload,
+        kvpack.engine.cuda): the transposing copy then runs on the device.
         """
         torch = _torch()
         self._check_open()
         spec = self.layout.layer(layer)
         self.layout.check_role(role)
-        view = memoryview(data).cast("B")
-        if view.nbytes % spec.row_bytes:
-            raise EngineError("layout", f"{view.nbytes} bytes is not a whole number of {spec.row_bytes}-byte rows")
-        n = view.nbytes // spec.row_bytes
+        staged = isinstance(data, torch.Tensor)
+        if staged:
+            if data.dtype != torch.uint8 or data.dim() != 1 or data.device != self._planes[(layer, role)].device:
+                raise EngineError("layout", "staged rows must be a flat uint8 tensor on the install's device")
+            nbytes = data.numel()
+        else:
+            view = memoryview(data).cast("B")
+            nbytes = view.nbytes
+        if nbytes % spec.row_bytes:
+            raise EngineError("layout", f"{nbytes} bytes is not a whole number of {spec.row_bytes}-byte rows")
+        n = nbytes // spec.row_bytes
         lo, hi = spec.retained_range(self.cut)
         if start < lo or start + n > hi:
             raise EngineError("layout", f"layer {layer} rows [{start}, {start + n}) outside the needed [{lo}, {hi})")
@@ -544,10 +584,13 @@ class DetachedInstall:
             raise EngineError("install", f"layer {layer} {role}: rows written twice")
         if n == 0:
             return
-        with warnings.catch_warnings():
-            # frombuffer warns on read-only buffers (bytes); we only ever read from it.
-            warnings.simplefilter("ignore", UserWarning)
-            src = torch.frombuffer(view, dtype=self._torch_dtypes[spec.dtype], count=n * spec.row_elements)
+        if staged:
+            src = data.view(self._torch_dtypes[spec.dtype])
+        else:
+            with warnings.catch_warnings():
+                # frombuffer warns on read-only buffers (bytes); we only ever read from it.
+                warnings.simplefilter("ignore", UserWarning)
+                src = torch.frombuffer(view, dtype=self._torch_dtypes[spec.dtype], count=n * spec.row_elements)
         src = src.view(n, spec.kv_heads, spec.head_dim).transpose(0, 1)
         with torch.no_grad():
             self._planes[(layer, role)][0, :, start - lo : start - lo + n, :].copy_(src)

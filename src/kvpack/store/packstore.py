@@ -362,15 +362,49 @@ class PackStore:
         # write on the pool (hashlib and the AEAD release the GIL on large buffers)
         with ThreadPoolExecutor(self.workers) as pool:
             pending: list[Future] = []
-            for fs, i, span in jobs:
-                plaintext = self._span_plaintext(session, fs.key.layer, fs.key.name, span.token_start, span.token_start + span.token_count, cut)
-                pending.append(pool.submit(self._write_one_chunk, ctx, fs, i, span, plaintext))
+            for (fs, i, span), (plaintext, release) in zip(jobs, self._span_exports(session, jobs, cut)):
+                fut = pool.submit(self._write_one_chunk, ctx, fs, i, span, plaintext)
+                if release is not None:  # a pinned export buffer: reusable once the job is done
+                    fut.add_done_callback(lambda _f, release=release: release())
+                pending.append(fut)
                 if len(pending) >= 2 * self.workers:
                     self._collect(pending.pop(0), refs, report)
             for fut in pending:
                 self._collect(fut, refs, report)
         sync_dir(self._p("chunks"), ops=self.ops)
         return refs
+
+    def _span_exports(self, session, jobs, cut: int):
+        """``(plaintext, release)`` per job, in order. Sessions offering ``export_spans``
+        (the CUDA adapter: asynchronous copies through pinned buffers, running ahead of the
+        hashing) get every span at once; ``release`` (or None) frees the buffer after use."""
+        export_spans = getattr(session, "export_spans", None)
+        if export_spans is None:
+            for fs, _i, span in jobs:
+                yield self._span_plaintext(session, fs.key.layer, fs.key.name, span.token_start, span.token_start + span.token_count, cut), None
+            return
+        plan = []
+        for fs, _i, span in jobs:
+            start, stop = span.token_start, span.token_start + span.token_count
+            lo, hi = session.layout.retained_range(fs.key.layer, cut)
+            plan.append((fs.key.layer, fs.key.name, start, stop, max(start, lo), min(stop, hi)))
+        exports = export_spans([(layer, role, a, b) for layer, role, _s, _e, a, b in plan if a < b], depth=2 * self.workers)
+        try:
+            for layer, role, start, stop, a, b in plan:
+                if a <= start and b >= stop:
+                    yield next(exports)
+                    continue
+                # rows outside a windowed layer's window at the cut are zero (as _span_plaintext)
+                row = session.layout.layer(layer).row_bytes
+                out = bytearray((stop - start) * row)
+                if a < b:
+                    view, release = next(exports)
+                    out[(a - start) * row : (b - start) * row] = view
+                    if release is not None:
+                        release()
+                yield out, None
+        finally:
+            exports.close()
 
     @staticmethod
     def _collect(fut: Future, refs: dict, report: SaveReport) -> None:
@@ -492,34 +526,66 @@ class PackStore:
                 if a < b:  # spans wholly outside a windowed layer's window are not even read
                     jobs.append((manifest, key, span, ref, a, b))
         verified = nbytes = 0
+        window = 2 * self.workers
+        # On a CUDA install: chunk files are read into pinned slots, verified there and
+        # uploaded by the workers; this thread only queues the device-side copies.
+        stager = install.stager(window + 2) if hasattr(install, "stager") else None
         with ThreadPoolExecutor(self.workers) as pool:
             pending: list[tuple[Future, tuple]] = []
 
             def drain(item) -> None:
                 nonlocal verified, nbytes
                 fut, (manifest, key, span, ref, a, b) = item
-                plaintext = fut.result()
+                result = fut.result()
                 row = ctx.layout.layer(key.layer).row_bytes
-                view = memoryview(plaintext)[(a - span.token_start) * row : (b - span.token_start) * row]
-                install.write_rows(key.layer, key.name, a, view)
+                lo_byte, hi_byte = (a - span.token_start) * row, (b - span.token_start) * row
+                if stager is None:
+                    install.write_rows(key.layer, key.name, a, memoryview(result)[lo_byte:hi_byte])
+                else:
+                    try:
+                        install.write_rows(key.layer, key.name, a, result.rows(lo_byte, hi_byte - lo_byte))
+                    finally:
+                        result.release()
                 verified += 1
                 nbytes += ref.object_bytes
 
-            for job in jobs:
-                pending.append((pool.submit(self._verify_chunk, job[0], job[1], job[2], job[3], ctx), job))
-                if len(pending) >= 2 * self.workers:
+            try:
+                for job in jobs:
+                    pending.append((pool.submit(self._verify_chunk, job[0], job[1], job[2], job[3], ctx, stager), job))
+                    if len(pending) >= window:
+                        drain(pending.pop(0))
+                while pending:
                     drain(pending.pop(0))
-            for item in pending:
-                drain(item)
+            finally:
+                if stager is not None:  # refused midway: hand back the slots still held
+                    for fut, _job in pending:
+                        if fut.exception() is None:
+                            fut.result().release()
         return verified, nbytes
 
-    def _verify_chunk(self, manifest: Manifest, key, span, ref: ChunkRef, ctx: _Context) -> bytes:
+    def _verify_chunk(self, manifest: Manifest, key, span, ref: ChunkRef, ctx: _Context, stager=None):
+        """The verified plaintext of a chunk, or with a ``stager`` the staging slot holding it
+        (read into pinned memory, verified in place, upload to the device started)."""
+        slot = stager.acquire() if stager is not None else None
         try:
-            with open(self.chunk_path(ref.content_id), "rb") as fh:
-                obj = fh.read()
-        except FileNotFoundError:
-            raise StoreError("incomplete", f"chunk {ref.content_id.hex()} is missing") from None
-        return decode_chunk(obj, ref=ref, span=span, tenant=self.tenant, family=manifest.family, key=key, keys=self.keys, family_digest=ctx.family_digest)
+            obj = None
+            try:
+                if slot is not None:
+                    obj = slot.read_file(self.chunk_path(ref.content_id))
+                if obj is None:  # no stager, or a file too large for any chunk (refused below)
+                    with open(self.chunk_path(ref.content_id), "rb") as fh:
+                        obj = fh.read()
+            except FileNotFoundError:
+                raise StoreError("incomplete", f"chunk {ref.content_id.hex()} is missing") from None
+            plaintext = decode_chunk(obj, ref=ref, span=span, tenant=self.tenant, family=manifest.family, key=key, keys=self.keys, family_digest=ctx.family_digest)
+            if slot is None:
+                return plaintext
+            slot.upload(plaintext)
+            return slot
+        except BaseException:
+            if slot is not None:
+                slot.release()
+            raise
 
     def _read_logits(self, mid: bytes, manifest: Manifest) -> bytes:
         """Verify the final-logits object of the cut ``mid`` and return the f32 row bytes."""
