@@ -1,0 +1,150 @@
+"""The decode node's migration config: one strict JSON file, paths relative to it.
+
+::
+
+    {
+      "node_name": "dec-a",
+      "home": "state",                        # journals, payloads, sessions (0700)
+      "listen": "127.0.0.1:8443",             # loopback only
+      "tls": {"certificate_chain": "tls/node.crt", "private_key": "tls/node.key",
+              "ca": "tls/ca.crt"},            # enrolled node certificate; null = plain HTTP
+                                              # (then every internal route answers 403)
+      "api_key_file": "api.key",              # bearer key this node accepts (0600)
+      "peer_api_key_file": "api.key",         # key presented to decode destinations (optional;
+                                              # without it migrate answers 409 migration_not_configured)
+      "peer_ca": "tls/ca.crt",                # trust anchor for destinations (default: tls.ca)
+      "cluster_dir": "../cluster",            # enrollment dir: storage nodes and their SSH pins
+      "ssh_identity_file": "ssh/id_ed25519",  # client key for storage nodes (0600)
+      "engine": {"kind": "arrays", "layers": 4, "kv_heads": 4, "head_dim": 64, "vocab": 64}
+                                              # or {"kind": "smollm2", "threads": 2}
+    }
+
+Unknown keys are refused, so a typo cannot silently disable a check.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import MigrationError
+
+_KEYS = {
+    "node_name", "home", "listen", "tls", "api_key_file", "peer_api_key_file", "peer_ca", "cluster_dir",
+    "ssh_identity_file", "engine", "upload_chunk_bytes", "checkpoint_bytes",
+}
+
+
+@dataclass
+class NodeConfig:
+    path: str
+    node_name: str
+    home: str
+    host: str
+    port: int
+    tls: dict[str, str] | None
+    api_key_file: str
+    peer_api_key_file: str | None
+    peer_ca: str | None
+    cluster_dir: str | None
+    ssh_identity_file: str | None
+    engine: dict[str, Any]
+    upload_chunk_bytes: int = 1024 * 1024
+    checkpoint_bytes: int = 4 * 1024 * 1024
+
+    @property
+    def base_url(self) -> str:
+        scheme = "https" if self.tls else "http"
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{scheme}://{host}:{self.port}"
+
+
+def load_config(path: str) -> NodeConfig:
+    path = os.path.abspath(path)
+    try:
+        with open(path, "rb") as fh:
+            raw = json.loads(fh.read())
+    except OSError as exc:
+        raise MigrationError("usage", f"cannot read config {path}: {exc.strerror}") from None
+    except ValueError as exc:
+        raise MigrationError("usage", f"config {path} is not JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise MigrationError("usage", "config must be a JSON object")
+    unknown = set(raw) - _KEYS
+    if unknown:
+        raise MigrationError("usage", f"config {path}: unknown keys {sorted(unknown)}")
+    base = os.path.dirname(path)
+
+    def rel(value: Any, what: str, required: bool = False) -> str | None:
+        if value is None:
+            if required:
+                raise MigrationError("usage", f"config {path}: {what} is required")
+            return None
+        if not isinstance(value, str) or not value:
+            raise MigrationError("usage", f"config {path}: {what} must be a path")
+        return os.path.normpath(os.path.join(base, value))
+
+    listen = raw.get("listen", "127.0.0.1:0")
+    host, _, port = str(listen).rpartition(":")
+    host = host.strip("[]")
+    try:
+        if not ipaddress.ip_address(host).is_loopback:
+            raise ValueError
+        port_n = int(port)
+    except ValueError:
+        raise MigrationError("usage", f"config {path}: listen must be a loopback IP:PORT (got {listen!r})") from None
+    tls = raw.get("tls")
+    if tls is not None:
+        if not isinstance(tls, dict) or set(tls) != {"certificate_chain", "private_key", "ca"}:
+            raise MigrationError("usage", f"config {path}: tls needs certificate_chain, private_key, ca")
+        tls = {k: rel(v, f"tls.{k}", True) for k, v in tls.items()}
+    engine = raw.get("engine") or {"kind": "arrays"}
+    if not isinstance(engine, dict) or engine.get("kind") not in ("arrays", "smollm2"):
+        raise MigrationError("usage", f"config {path}: engine.kind must be arrays or smollm2")
+    name = raw.get("node_name") or "decode-node"
+    return NodeConfig(
+        path=path,
+        node_name=str(name),
+        home=rel(raw.get("home"), "home", True),
+        host=host,
+        port=port_n,
+        tls=tls,
+        api_key_file=rel(raw.get("api_key_file"), "api_key_file", True),
+        peer_api_key_file=rel(raw.get("peer_api_key_file"), "peer_api_key_file"),
+        peer_ca=rel(raw.get("peer_ca"), "peer_ca") or (tls or {}).get("ca"),
+        cluster_dir=rel(raw.get("cluster_dir"), "cluster_dir"),
+        ssh_identity_file=rel(raw.get("ssh_identity_file"), "ssh_identity_file"),
+        engine=engine,
+        upload_chunk_bytes=int(raw.get("upload_chunk_bytes", 1024 * 1024)),
+        checkpoint_bytes=int(raw.get("checkpoint_bytes", 4 * 1024 * 1024)),
+    )
+
+
+def read_api_key(path: str) -> bytes:
+    """An API key file under the secret-file contract (regular file, 0600, bounded); one line."""
+    from ..security.secret_files import read_protected_file
+
+    data = read_protected_file(path, what="API key file", max_size=4096)
+    key = data.strip()
+    if len(key) < 16 or not all(0x21 <= b < 0x7F for b in key):
+        raise MigrationError("usage", f"API key file {path!r} must hold one printable token of >= 16 characters")
+    return key
+
+
+def build_engine(spec: dict[str, Any]):
+    """The node's engine from its config (the identity every prepare is checked against)."""
+    if spec["kind"] == "arrays":
+        from ..engine.arrays import ArrayEngine, array_layout
+
+        layout = array_layout(
+            layers=int(spec.get("layers", 4)), kv_heads=int(spec.get("kv_heads", 4)), head_dim=int(spec.get("head_dim", 64)),
+            vocab=int(spec.get("vocab", 64)),
+        )
+        return ArrayEngine(layout, name=str(spec.get("name", "arrays")))
+    from ..engine.models import load_smollm2
+    from ..engine.transformers_adapter import TransformersEngine
+
+    return TransformersEngine(load_smollm2(), threads=int(spec.get("threads", 2)))
