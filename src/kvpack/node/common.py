@@ -141,3 +141,21 @@ def readable(sock) -> bool:
         return True
     r, _, _ = select.select([sock], [], [], 0)
     return bool(r)
+
+
+def close_listener(sock) -> None:
+    """Close a listening socket another thread blocks in ``accept()`` on. ``shutdown`` wakes
+    that thread (on Linux); a bare ``close`` would leave the kernel socket, and the port,
+    bound until the blocked call returned."""
+    if sock is None:
+        return
+    import socket as _socket
+
+    try:
+        sock.shutdown(_socket.SHUT_RDWR)
+    except OSError:
+        pass
+    try:
+        sock.close()
+    except OSError:
+        pass

@@ -48,7 +48,7 @@ from ..handoff.sender import Sender
 from ..security.config import ProducerConfig
 from ..security.secret_files import load_hmac_key
 from ..security.tls import client_context, connect, listen, server_context, wrap_accepted
-from .common import ReceiptWriter, chunk_tokens, now_ms, read_control, readable, verdict_of
+from .common import ReceiptWriter, close_listener, chunk_tokens, now_ms, read_control, readable, verdict_of
 from .ladder import ResidentRadix, RowsSource
 from .metrics import NodeMetrics
 from .receiver import EXT_PREFIX_CUT
@@ -164,11 +164,7 @@ class ProducerNode:
 
     def stop(self) -> None:
         self._stopping.set()
-        if self._listener is not None:
-            try:
-                self._listener.close()
-            except OSError:
-                pass
+        close_listener(self._listener)
         if self._thread is not None:
             self._thread.join(timeout=10)
         self.metrics.close()

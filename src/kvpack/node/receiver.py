@@ -53,7 +53,7 @@ from ..security.config import ReceiverConfig
 from ..security.ledger import ReplayLedger
 from ..security.probe import check_ledger_volume
 from ..security.tls import client_context, connect, listen, server_context, wrap_accepted
-from .common import ReceiptWriter, greedy, logits_bytes, now_ms, read_control, readable, verdict_of
+from .common import ReceiptWriter, close_listener, greedy, logits_bytes, now_ms, read_control, readable, verdict_of
 from .ladder import HeldPrefix, Ladder, Plan, ResidentRadix, RowsSource
 from .metrics import NodeMetrics
 from .wire import TileGeometry, copy_prefix, held_digest, scatter_tile, span_layout, wire_identity
@@ -246,11 +246,7 @@ class ReceiverNode:
     def stop(self) -> None:
         self._stopping.set()
         for sock in (self._listener, self._unix):
-            if sock is not None:
-                try:
-                    sock.close()
-                except OSError:
-                    pass
+            close_listener(sock)
         with self._state_lock:
             if self._pending is not None:
                 self._pending.finish(error=ProtocolError("aborted", "receiver shutting down", remote=False))

@@ -1,0 +1,179 @@
+"""Test helpers for the node daemons: enrolled clusters, free ports, loopback TCP proxies,
+daemon subprocesses. Everything listens on 127.0.0.1 only."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+from kvpack.node.wire import identity_file_json
+from kvpack.security.config import load_producer_config, load_receiver_config
+from kvpack.security.enroll import Cluster
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Enrolled:
+    """A cluster directory with receivers and producers enrolled for one engine identity."""
+
+    def __init__(self, root: str, engine, receivers=("decode-a",), producers=("prefill-a",)) -> None:
+        self.root = root
+        self.cluster = Cluster.init(root, identity=identity_file_json(engine))
+        self.ports = {}
+        for name in receivers:
+            self.ports[name] = free_port()
+            self.cluster.enroll_node(name, "receiver", listen=f"127.0.0.1:{self.ports[name]}")
+        for name in producers:
+            self.ports[name] = free_port()
+            self.cluster.enroll_node(name, "producer", control_listen=f"127.0.0.1:{self.ports[name]}")
+
+    def receiver_config_path(self, receiver="decode-a", producer="prefill-a") -> str:
+        return self.cluster.receiver_config_path(receiver, producer)
+
+    def producer_config_path(self, producer="prefill-a") -> str:
+        return self.cluster.producer_config_path(producer)
+
+    def receiver_config(self, receiver="decode-a", producer="prefill-a"):
+        return load_receiver_config(self.receiver_config_path(receiver, producer))
+
+    def producer_config(self, producer="prefill-a"):
+        return load_producer_config(self.producer_config_path(producer))
+
+
+class Proxy:
+    """A loopback TCP relay ``listen_port -> target_port`` that counts (and may tamper with)
+    the bytes in each direction. ``flip_at``: flip one bit of the client->server byte at
+    that offset (a corrupted segment on the wire)."""
+
+    def __init__(self, target_port: int, *, flip_at: int | None = None) -> None:
+        self.target_port = target_port
+        self.flip_at = flip_at
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(8)
+        self.port = self.sock.getsockname()[1]
+        self.up = 0  # client -> server bytes
+        self.down = 0  # server -> client bytes
+        self.flipped = False
+        self.connections = 0
+        self._stop = False
+        self._threads = [threading.Thread(target=self._accept, daemon=True)]
+        self._threads[0].start()
+
+    def _accept(self) -> None:
+        while not self._stop:
+            try:
+                client, _ = self.sock.accept()
+            except OSError:
+                return
+            self.connections += 1
+            server = socket.create_connection(("127.0.0.1", self.target_port))
+            t = threading.Thread(target=self._relay, args=(client, server), daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def _relay(self, client: socket.socket, server: socket.socket) -> None:
+        socks = [client, server]
+        try:
+            while True:
+                r, _, _ = select.select(socks, [], [], 0.5)
+                if self._stop:
+                    return
+                for s in r:
+                    data = s.recv(1 << 16)
+                    if not data:
+                        return
+                    if s is client:
+                        if self.flip_at is not None and not self.flipped and self.up <= self.flip_at < self.up + len(data):
+                            buf = bytearray(data)
+                            buf[self.flip_at - self.up] ^= 0x01
+                            data = bytes(buf)
+                            self.flipped = True
+                        self.up += len(data)
+                        server.sendall(data)
+                    else:
+                        self.down += len(data)
+                        client.sendall(data)
+        except OSError:
+            return
+        finally:
+            client.close()
+            server.close()
+
+    def close(self) -> None:
+        self._stop = True
+        self.sock.close()
+        for t in self._threads:
+            t.join(timeout=2)
+
+
+class Daemon:
+    """A ``kvpack receiver|producer`` subprocess; waits for its ready line."""
+
+    def __init__(self, args: list[str], *, timeout: float = 240.0) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvpack.cli", *args], stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True)
+        self.ready: dict | None = None
+        self._timeout = timeout
+
+    def wait_ready(self) -> dict:
+        deadline = time.monotonic() + self._timeout
+        while self.ready is None:
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                self.stop()
+                raise RuntimeError(f"daemon did not start: {self.proc.stderr.read()[-3000:]}")
+            r, _, _ = select.select([self.proc.stdout], [], [], 0.5)
+            if r:
+                line = self.proc.stdout.readline()
+                if line.startswith("{"):
+                    self.ready = json.loads(line)
+        return self.ready
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=30)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=30)
+
+
+def receipts(directory: str) -> list[dict]:
+    out = []
+    if not os.path.isdir(directory):
+        return out
+    for name in sorted(os.listdir(directory)):
+        if name.endswith(".json") and not name.startswith("."):
+            with open(os.path.join(directory, name), "rb") as fh:
+                out.append(json.loads(fh.read()))
+    return out
+
+
+def http_get(port: int, path: str = "/metrics") -> str:
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(f"GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n".encode())
+        data = b""
+        while True:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    return data.decode(errors="replace")

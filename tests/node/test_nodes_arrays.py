@@ -1,0 +1,282 @@
+"""Node daemons end to end on real loopback sockets and mutual TLS, with the NumPy engine
+adapter (the model does not matter for these properties): full and delta handoff, and every
+refusal of issue 6 -- tampered wire, replayed transfer (across a receiver restart), stale
+generation, identity mismatch, wrong client certificate -- each refused with a receipt,
+nothing installed, the live session unchanged. Also: the control channel carries only small
+control messages, and metrics are served on loopback."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import threading
+import time
+
+import pytest
+
+from kvpack.durable import atomic_write
+from kvpack.engine.arrays import ArrayEngine, array_layout
+from kvpack.errors import KvpackError, ProtocolError, SecurityError
+from kvpack.node.common import greedy, load_engine, logits_bytes
+from kvpack.node.producer import ProducerNode
+from kvpack.node.receiver import ReceiverNode
+from kvpack.security.tls import connect
+from kvpack.store import PackStore
+
+from .helpers import Enrolled, Proxy, free_port, http_get, receipts
+
+ENGINE = "arrays:4:2:8"
+
+
+def reference(engine, tokens, n=8):
+    """Local uninterrupted decoding with the handoff's computation order."""
+    s = engine.new_session()
+    s.prefill(tokens[:-1], chunk_size=256)
+    s.prefill(tokens[-1:])
+    out, rows = greedy(s, n)
+    import hashlib
+
+    return out, hashlib.sha256(logits_bytes(rows)).hexdigest()
+
+
+class Nodes:
+    def __init__(self, tmp, *, producer_engine=None, advertised_port=None, control_port=None, wire_tap=None):
+        self.tmp = str(tmp)
+        self.engine = load_engine(ENGINE)
+        self.enrolled = Enrolled(os.path.join(self.tmp, "cluster"), self.engine, producers=("prefill-a", "prefill-b"))
+        self.rcfg = self.enrolled.receiver_config()
+        self.pcfg = self.enrolled.producer_config()
+        if control_port is not None:  # a proxy sits on the configured control address
+            self.pcfg = dataclasses.replace(self.pcfg, control_listen_port=control_port)
+        self.rdir = os.path.join(self.tmp, "rreceipts")
+        self.pdir = os.path.join(self.tmp, "preceipts")
+        self.producer_engine = producer_engine or load_engine(ENGINE)
+        self.wire_tap = wire_tap
+        self.producer = self._producer()
+        self.receiver = self._receiver(advertised_port)
+
+    def _producer(self):
+        return ProducerNode(self.pcfg, self.producer_engine, receipts_dir=self.pdir, wire_tap=self.wire_tap,
+                            store=PackStore.open(p) if os.path.exists(os.path.join(p := os.path.join(self.tmp, "pstore"), "store.json"))
+                            else PackStore.init(p)).start()
+
+    def _receiver(self, advertised_port=None):
+        return ReceiverNode(self.rcfg, self.engine, receipts_dir=self.rdir, advertised_port=advertised_port).start()
+
+    def restart_producer(self):
+        self.producer.stop()
+        self.producer = self._producer()
+
+    def restart_receiver(self):
+        self.receiver.stop()
+        self.receiver = self._receiver()
+
+    def stop(self):
+        self.receiver.stop()
+        self.producer.stop()
+
+    def snapshot(self):
+        s = self.receiver.session
+        # (the NumPy adapter cannot digest an empty session; an empty one has nothing to compare)
+        return list(s.tokens), s.cache_digest() if s.position else None
+
+    def refused(self):
+        return [r for r in receipts(self.rdir) if r["verdict"] == "refused"]
+
+
+@pytest.fixture
+def nodes(tmp_path):
+    made = []
+
+    def make(**kw):
+        n = Nodes(tmp_path / f"n{len(made)}", **kw)
+        made.append(n)
+        return n
+
+    yield make
+    for n in made:
+        n.stop()
+
+
+PROMPT = list(range(1, 700))
+FOLLOW = PROMPT[:600] + [11, 12, 13, 14, 15]
+
+
+def test_full_then_delta_handoff_bit_exact_with_receipts_and_metrics(nodes):
+    n = nodes()
+    r1 = n.receiver.generate(PROMPT, 8)
+    assert (r1["tokens"], r1["logits_sha256"]) == reference(n.engine, PROMPT)
+    t1 = r1["transfer"]
+    assert r1["plan"]["action"] == "full_transfer" and t1["prefix_cut"] == 0
+    assert t1["payload_bytes"] == n.receiver.geometry.tile_bytes(len(PROMPT) - 1)
+    assert t1["producer_receipt"]["prefill_tokens"] == len(PROMPT) - 1
+    r2 = n.receiver.generate(FOLLOW, 8)
+    t2 = r2["transfer"]
+    assert r2["plan"] == {**r2["plan"], "action": "arm_delta", "tier": "resident", "prefix_cut": 512}
+    assert t2["prefix_cut"] == 512 and t2["payload_bytes"] == n.receiver.geometry.tile_bytes(len(FOLLOW) - 1 - 512)
+    # the producer installed the prefix it computed before and prefilled only the suffix
+    assert t2["producer_receipt"]["prefill_tokens"] == len(FOLLOW) - 1 - 512
+    assert (r2["tokens"], r2["logits_sha256"]) == reference(n.engine, FOLLOW)
+    committed = [r for r in receipts(n.rdir) if r["verdict"] == "committed"]
+    assert len(committed) == 2 and committed[1]["prefix_cut"] == 512
+    assert set(committed[0]["durations_s"]) >= {"wire", "verify", "prepare", "reserve", "commit"}
+    assert committed[0]["digests"]["begin_sha256"] and committed[0]["payload_bytes"] == t1["payload_bytes"]
+    pres = [r for r in receipts(n.pdir) if r.get("verdict") == "committed"]
+    assert [r["prefilled_tokens"] for r in pres] == [len(PROMPT) - 1, len(FOLLOW) - 1 - 512]
+    text = http_get(n.receiver.metrics.port)
+    assert 'kvpack_transfers_total{role="receiver",verdict="committed"} 2.0' in text
+    assert 'kvpack_ledger_reservations_total{result="ok",role="receiver"} 2.0' in text
+    assert "kvpack_phase_seconds_bucket" in text
+    assert 'kvpack_prefilled_tokens_total{role="producer"}' in http_get(n.producer.metrics.port)
+
+
+def test_control_channel_carries_no_cache_bytes(nodes, tmp_path):
+    # The producer really listens on a private port; the configured control address is a
+    # counting proxy in front of it.
+    real = free_port()
+    n = nodes(control_port=real)
+    proxy = _proxy_on(n.rcfg.producer_control.port, real)
+    try:
+        res = n.receiver.generate(PROMPT, 4)
+    finally:
+        proxy.close()
+    t = res["transfer"]
+    assert proxy.connections == 1
+    frames = t["control_frames"]
+    assert [f["type"] for f in frames] == ["request", "accepted", "committed"]
+    request_json = len(json.dumps(PROMPT))
+    assert frames[0]["bytes"] < request_json + 512
+    assert all(f["bytes"] < 1024 for f in frames[1:])
+    # every byte of the control connection, TLS handshake and records included, is a tiny
+    # fraction of the cache, which crossed the data connection
+    assert proxy.up + proxy.down < request_json + 16_384
+    assert t["payload_bytes"] > 20 * (proxy.up + proxy.down)
+    pr = [r for r in receipts(n.pdir) if r.get("verdict") == "committed"][0]
+    assert [f["type"] for f in pr["control_frames"]] == ["request", "accepted", "committed"]
+
+
+def _proxy_on(listen_port: int, target: int) -> Proxy:
+    import socket as _s
+
+    p = Proxy.__new__(Proxy)
+    p.target_port, p.flip_at = target, None
+    p.sock = _s.socket()
+    p.sock.setsockopt(_s.SOL_SOCKET, _s.SO_REUSEADDR, 1)
+    p.sock.bind(("127.0.0.1", listen_port))
+    p.sock.listen(8)
+    p.port, p.up, p.down, p.flipped, p.connections, p._stop = listen_port, 0, 0, False, 0, False
+    p._threads = [threading.Thread(target=p._accept, daemon=True)]
+    p._threads[0].start()
+    return p
+
+
+def test_segment_corrupted_on_the_wire_is_refused(nodes):
+    n = nodes()
+    n.receiver.generate(PROMPT[:300], 4)  # a live session to keep intact
+    before = n.snapshot()
+    ledger = n.receiver.ledger.snapshot()
+    proxy = Proxy(n.receiver.data_port, flip_at=150_000)  # inside a tile, mid-stream
+    n.receiver._advertised_port = proxy.port
+    try:
+        with pytest.raises(KvpackError) as info:
+            n.receiver.generate(list(range(2, 1000)), 4)
+    finally:
+        proxy.close()
+    assert proxy.flipped
+    assert info.value.category in ("tls", "digest", "aborted")
+    assert n.snapshot() == before  # nothing installed
+    assert n.receiver.ledger.snapshot() == ledger  # nothing reserved
+    ref = n.refused()
+    assert ref and ref[-1]["phase"] == "admitted" and ref[-1]["reason"] in ("tls", "digest")
+    assert ref[-1]["payload_bytes"] < 999 * n.receiver.geometry.tile_bytes(1)
+
+
+def test_replayed_transfer_is_refused_even_after_a_receiver_restart(nodes):
+    captured = bytearray()
+    n = nodes(wire_tap=captured.extend)
+    res = n.receiver.generate(PROMPT, 4)
+    rid = res["transfer"]["request_id"]
+    captured = bytes(captured)
+    assert captured.startswith(b"KVPKV2\0\0") and len(captured) > res["transfer"]["payload_bytes"]
+    before = n.snapshot()
+    ep = n.pcfg.data_endpoint("decode-a")
+
+    def replay(request_id):
+        pending = n.receiver.expect(request_id, PROMPT, wait_s=3.0)
+        ch = connect(ep, "127.0.0.1", n.receiver.data_port)
+        try:
+            ch.sendall(captured)
+            ch.settimeout(10)
+            assert ch.recv(4096) == b""  # dropped, never acked
+        except (OSError, KvpackError):
+            pass
+        finally:
+            ch.close()
+        with pytest.raises(ProtocolError) as info:
+            n.receiver.wait(pending)
+        return info.value
+
+    # 1. during a later request: the begin names another request (C.8 step 1)
+    err = replay("muser-1-99")
+    assert err.category == "identity"
+    assert n.snapshot() == before
+    # 2. after a restart, even under the very same request id: the durable ledger refuses
+    n.restart_receiver()
+    live_before = n.snapshot()
+    err = replay(rid)
+    assert err.category == "replay"
+    assert n.snapshot() == live_before
+    reasons = [r["reason"] for r in n.refused()]
+    assert reasons[-2:] == ["identity", "replay"]
+
+
+def test_stale_generation_is_refused(nodes):
+    n = nodes()
+    n.receiver.generate(PROMPT, 4)
+    n.receiver.generate(PROMPT[:400] + [3, 4], 4)
+    before = n.snapshot()
+    # roll the producer's generation ledger back (an operator restoring an old copy)
+    n.producer.stop()
+    atomic_write(n.pcfg.generation_ledger, b'{"next_generation": 2}\n', mode=0o600)
+    n.producer = n._producer()
+    with pytest.raises(ProtocolError) as info:
+        n.receiver.generate(list(range(5, 600)), 4)
+    assert info.value.category == "replay"
+    assert n.snapshot() == before
+    last = n.refused()[-1]
+    assert last["reason"] == "replay" and last["phase"] == "begin" and "generation 2" in last["detail"], last
+
+
+def test_identity_mismatch_is_refused(nodes):
+    other = ArrayEngine(array_layout(layers=4, kv_heads=2, head_dim=8, dtype="f32"), name="another-model")
+    n = nodes(producer_engine=other)
+    before = n.snapshot()
+    with pytest.raises(ProtocolError) as info:
+        n.receiver.generate(PROMPT, 4)
+    assert info.value.category == "identity"
+    assert n.snapshot() == before
+    last = n.refused()[-1]
+    assert last["reason"] == "identity" and last["phase"] == "begin" and last["segments"] == 0
+    assert n.receiver.ledger.snapshot() == {}
+
+
+def test_wrong_client_certificate_is_refused(nodes, tmp_path):
+    n = nodes()
+    n.receiver.generate(PROMPT[:300], 4)
+    before = n.snapshot()
+    # a producer of the same CA that this receiver never paired with (not pinned)
+    other_ep = n.enrolled.producer_config("prefill-b").data_endpoint("decode-a")
+    n.receiver.expect("muser-5-5", PROMPT, wait_s=2.0)
+    with pytest.raises(SecurityError):
+        ch = connect(other_ep, "127.0.0.1", n.receiver.data_port)
+        ch.recv(1)
+    # a producer of a foreign cluster (another CA)
+    foreign = Enrolled(str(tmp_path / "foreign"), n.engine)
+    with pytest.raises(SecurityError):
+        ch = connect(foreign.producer_config().data_endpoint("decode-a"), "127.0.0.1", n.receiver.data_port)
+        ch.recv(1)
+    time.sleep(0.3)
+    reasons = [(r["phase"], r["reason"]) for r in n.refused()]
+    assert ("tls", "pin") in reasons and ("tls", "certificate") in reasons
+    assert n.snapshot() == before
