@@ -188,6 +188,17 @@ class Node:
                 raise AssertionError(f"transfer {tid} stuck at {v}")
             time.sleep(0.05)
 
+    def wait_restore(self, tid: str, timeout: float = 60.0) -> dict:
+        """Wait until the restore run of ``tid`` has ended (its status alone starts out final)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            p = self.client.get(f"/v1/session-transfers/{tid}/progress").json()
+            if p["phase"] != "restore-pending" and not p["running"] and p["status"] in FINAL:
+                return self.view(tid)
+            if time.monotonic() > deadline:
+                raise AssertionError(f"restore {tid} stuck at {p} {self.journal(tid)}")
+            time.sleep(0.05)
+
     def reconcile_cli(self, tid: str) -> tuple[int, dict]:
         """``kvpack transfer reconcile ID --json`` as a real subprocess."""
         env = dict(os.environ, PYTHONPATH=str(REPO / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))

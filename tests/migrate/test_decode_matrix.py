@@ -205,7 +205,7 @@ def test_row_source_delete_fails(nodes):
     assert "injected failure at source.delete" in v["last_error"]
     assert a.has_session(SID) and a.decode(SID, 1).status_code == 409  # retained, never live
     check_invariants(a, b, SID, tid)
-    a.stop()
+    a.kill()
     a.start()
     rc, view = a.reconcile_cli(tid)
     assert rc == 0 and view["status"] == "completed"

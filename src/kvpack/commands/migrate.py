@@ -104,7 +104,8 @@ class NodeClient:
                 prog = self.request("GET", f"/v1/session-transfers/{tid}/progress")
                 if bar is not None:
                     bar.update(task, total=prog["bytes"] or None, completed=prog["sent"], description=f"{tid} {prog['status']}")
-                if prog["status"] in FINAL:
+                # a restore starts from the export's final status: wait for the run itself to end
+                if prog["status"] in FINAL and not prog["running"] and prog["phase"] != "restore-pending":
                     view = self.request("GET", f"/v1/session-transfers/{tid}")
                     if view["status"] in FINAL:
                         return view

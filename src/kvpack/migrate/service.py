@@ -223,7 +223,12 @@ class MigrationService:
     def progress_view(self, tid: str) -> dict[str, Any]:
         rec = self.journals.require(tid)
         p = self.progress.get(tid, {})
-        return {"id": tid, "status": rec["status"], "bytes": rec.get("bytes", 0), "sent": p.get("sent", 0), "resumed_from": p.get("resumed_from", 0)}
+        return {"id": tid, "status": rec["status"], "phase": rec.get("phase", "export") if rec["direction"] == "outgoing" else "incoming",
+                "running": self.running(tid), "bytes": rec.get("bytes", 0), "sent": p.get("sent", 0), "resumed_from": p.get("resumed_from", 0)}
+
+    def running(self, tid: str) -> bool:
+        t = self._runners.get(tid)
+        return bool(t is not None and t.is_alive())
 
     # -- incoming ---------------------------------------------------------------------------------------
     def prepare(self, body: dict[str, Any]) -> dict[str, Any]:

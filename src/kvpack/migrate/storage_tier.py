@@ -246,17 +246,31 @@ class StorageDestination:
                         progress(sent)
                     if kill_at is not None and sent >= kill_at:
                         failpoints.die()
-            proc.stdin.close()
         except BrokenPipeError:
-            pass
-        out, err = proc.communicate(timeout=self.timeout)
+            pass  # the remote side ended early; its exit status below says why
+        finally:
+            try:
+                proc.stdin.close()
+            except BrokenPipeError:
+                pass
+        try:
+            proc.wait(timeout=self.timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise MigrationError("transport", "upload: ssh timed out") from None
+        out, err = proc.stdout.read(), proc.stderr.read()
         if proc.returncode != 0:
             raise MigrationError("transport", f"upload: ssh exit {proc.returncode}: {err.decode(errors='replace').strip()[-200:]}")
         if out.decode().strip() != str(rec["bytes"]):
             raise MigrationError("transport", f"upload: remote temp file holds {out.decode().strip()} bytes, expected {rec['bytes']}")
 
     def commit(self, rec: dict[str, Any]) -> str:
-        out = self.run(COMMIT.format(**self.vars(rec)), what="commit").decode().strip()
+        script = COMMIT
+        cut = failpoints.action("storage.commit_interrupt")
+        if cut is not None:
+            # matrix row: the remote shell dies by SIGKILL after the first K pinned steps
+            script = "\n".join((*COMMIT_STEPS[: int(cut)], "kill -KILL $$"))
+        out = self.run(script.format(**self.vars(rec)), what="commit").decode().strip()
         failpoints.hit("source.after_remote_commit")
         if out.splitlines()[-1:] != ["committed"]:
             raise MigrationError("transport", f"commit: unexpected reply {out!r}")

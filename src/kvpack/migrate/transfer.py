@@ -76,6 +76,8 @@ def run_export(svc, rec: dict[str, Any], dest) -> dict[str, Any]:
                         dstatus, received = dest.lookup(tid, rec)
                         step = M.plan(rec["status"], rec["mode"], have_payload=True, destination=dstatus, received=received, size=rec["bytes"])
                 if step.action == "upload":
+                    rec.setdefault("history", []).append({"status": rec["status"], "note": f"upload from {step.offset} of {rec['bytes']}"})
+                    j.save(rec)
                     svc.note_progress(tid, step.offset, resumed_from=step.offset)
                     dest.upload(rec, payload, step.offset, lambda n: svc.note_progress(tid, n))
                     failpoints.hit("source.after_upload")
@@ -86,7 +88,7 @@ def run_export(svc, rec: dict[str, Any], dest) -> dict[str, Any]:
                     step = M.Step("record_committed")
             if step.action == "record_committed":
                 j.transition(rec, M.DESTINATION_COMMITTED, "destination committed", last_error=None)
-    except (KvpackError, OSError) as exc:
+    except Exception as exc:  # noqa: BLE001 - any failure before the commit is recorded, never lost in a thread
         # D.4 step 5: reconcile by lookup before recording anything.
         text = _err(exc)
         if rec["status"] in M.DESTINATION_DURABLE or rec["status"] in M.KEPT_ON_FAILURE:
@@ -94,7 +96,7 @@ def run_export(svc, rec: dict[str, Any], dest) -> dict[str, Any]:
             return rec
         try:
             dstatus, _ = dest.lookup(tid, rec)
-        except (KvpackError, OSError) as exc2:
+        except Exception as exc2:  # noqa: BLE001
             dstatus = None
             text += f"; destination lookup failed: {_err(exc2)}"
         if dstatus == M.COMMITTED and rec["status"] in (M.TRANSFERRING, M.AMBIGUOUS):

@@ -435,6 +435,34 @@ class Cluster:
                "generation_ledger": "state/generation-ledger.json", "receivers": receivers}
         atomic_write(path, json.dumps(cfg, indent=2, sort_keys=True).encode() + b"\n", mode=0o600)
 
+    # -- storage nodes: SSH pin (session migration, docs/migration.md) -----------------------------------
+    def set_storage_ssh(self, name: str, *, address: str, user: str, host_key: str, lane_dir: str) -> dict[str, Any]:
+        """Record how a storage node is reached over OpenSSH: address, user, the exact host key
+        (pinned: the only key ssh will accept for it) with its SHA256 fingerprint, and the lane
+        directory. Public material only; the registry stays secret-free."""
+        import base64
+
+        with _EnrollLock(self.root):
+            entry = self.registry["nodes"].get(name)
+            if entry is None or entry["role"] != "storage":
+                raise SecurityError("enrollment", f"node {name!r} is not an enrolled storage node")
+            parts = host_key.strip().split()
+            if len(parts) < 2 or not re.fullmatch(r"(ssh-ed25519|ecdsa-sha2-nistp(256|384|521)|ssh-rsa)", parts[0]) \
+                    or not re.fullmatch(r"[A-Za-z0-9+/]+={0,3}", parts[1]):
+                raise SecurityError("enrollment", "host key must be an OpenSSH public key line")
+            host, _, port = address.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise SecurityError("enrollment", f"address {address!r} must be HOST:PORT")
+            if not user or not re.fullmatch(r"[a-z_][a-z0-9_-]{0,31}", user):
+                raise SecurityError("enrollment", f"user {user!r} is not a valid login name")
+            if not os.path.isabs(lane_dir) or "\n" in lane_dir:
+                raise SecurityError("enrollment", "lane dir must be an absolute path")
+            fingerprint = "SHA256:" + base64.b64encode(hashlib.sha256(base64.b64decode(parts[1])).digest()).decode().rstrip("=")
+            entry["ssh"] = {"address": address, "user": user, "host_key": f"{parts[0]} {parts[1]}",
+                            "host_key_sha256": fingerprint, "lane_dir": lane_dir}
+            self._save()
+            return entry
+
     # -- reporting -----------------------------------------------------------------------------------------
     def show(self) -> dict[str, Any]:
         nodes = []
