@@ -127,6 +127,8 @@ class ArraySession:
         lo, hi = self.retained_range(layer)
         if not lo <= start <= stop <= hi:
             raise EngineError("layout", f"rows [{start}, {stop}) outside retained [{lo}, {hi})")
+        if start == stop:
+            return memoryview(b"")
         return memoryview(np.ascontiguousarray(self.planes[(layer, role)][start - lo : stop - lo])).cast("B")
 
     def export_logits(self) -> memoryview:

@@ -19,7 +19,7 @@ from .identity import chunk_content_id, chunk_object_key
 from .keys import KeySchedule
 from .objects import ChunkRef, Family, Span, StateKey
 from .sidecar import StatsSidecar
-from .wire import fail
+from .wire import digest_with_zeroed, fail
 
 _FIXED = struct.Struct("<HHIIHHIIIIQ")  # at offset 8
 _DIGEST_AT = 204
@@ -107,11 +107,7 @@ def _is_zero(data: bytes | memoryview) -> bool:
 
 
 def header_digest(header: bytes | bytearray) -> bytes:
-    h = hashlib.sha256()
-    h.update(memoryview(header)[:_DIGEST_AT])
-    h.update(bytes(32))
-    h.update(memoryview(header)[_DIGEST_AT + 32 : C.HEADER_BYTES])
-    return h.digest()
+    return digest_with_zeroed(header, _DIGEST_AT, C.HEADER_BYTES)
 
 
 @dataclass(frozen=True)

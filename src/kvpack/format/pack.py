@@ -20,7 +20,7 @@ from .chunk import KeyRing, Keys, _is_zero, _schedule
 from .keys import KeySchedule
 from .objects import Manifest
 from .validate import validate_manifest
-from .wire import fail, u64
+from .wire import digest_with_zeroed, fail, u64
 
 _HDR_FIXED = struct.Struct("<HHIIIQQQ")  # at 8
 _FTR_FIXED = struct.Struct("<HHIQQQQ")  # at 8
@@ -86,11 +86,7 @@ class PackFooter:
 
 
 def _header_digest(header: bytes | bytearray) -> bytes:
-    h = hashlib.sha256()
-    h.update(memoryview(header)[:_HDR_DIGEST_AT])
-    h.update(bytes(32))
-    h.update(memoryview(header)[_HDR_DIGEST_AT + 32 : C.HEADER_BYTES])
-    return h.digest()
+    return digest_with_zeroed(header, _HDR_DIGEST_AT, C.HEADER_BYTES)
 
 
 def _footer_mac(auth_key: bytes, header: bytes, body: bytes | memoryview, stored: int, epoch: int, file_len: int) -> bytes:

@@ -7,6 +7,7 @@ callers the moment a count is read (INTEROP-A-ERRATA S2-10), via :meth:`Reader.c
 
 from __future__ import annotations
 
+import hashlib
 import struct
 
 from ..errors import FormatError
@@ -124,3 +125,14 @@ def checked_add(a: int, b: int) -> int:
     if out > U64_MAX:
         raise fail("bounds", "u64 overflow")
     return out
+
+
+def digest_with_zeroed(header: bytes | bytearray | memoryview, at: int, length: int = 4096) -> bytes:
+    """SHA-256 of ``header[:length]`` with its own 32-byte digest field at ``at`` zeroed (the
+    chunk and pack headers both carry a self-digest)."""
+    view = memoryview(header)
+    h = hashlib.sha256()
+    h.update(view[:at])
+    h.update(bytes(32))
+    h.update(view[at + 32 : length])
+    return h.digest()
