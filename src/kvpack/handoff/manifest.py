@@ -514,6 +514,24 @@ def verify_seal_tag(key: bytes, seal: SealManifestV2) -> None:
         raise ProtocolError("authentication", "seal HMAC does not verify")
 
 
+_PARALLEL_HASH_MIN = 1 << 20
+_POOL: Any = None
+
+
+def _sha256_hex(view: memoryview) -> str:
+    return hashlib.sha256(view).hexdigest()
+
+
+def _hash_pool():
+    """One shared helper thread for segment digests (created on first large segment)."""
+    global _POOL
+    if _POOL is None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _POOL = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvpack-segment-hash")
+    return _POOL
+
+
 @dataclass
 class SealAccumulator:
     """Running digests both sides keep while segments flow (C.6).
@@ -536,6 +554,22 @@ class SealAccumulator:
         self.payload_hash.update(payload)
         self.segment_count += 1
         self.total_bytes += len(payload)
+
+    def add_payload_and_digest(self, payload: bytes | bytearray | memoryview) -> str:
+        """Feed the running payload digest and return the segment's own SHA-256 (hex).
+
+        Both passes read the same bytes; on large payloads they run concurrently (the
+        segment digest on a helper thread, hashlib releasing the GIL), so a segment costs
+        one hash pass of wall time instead of two. The result is identical either way.
+        """
+        view = memoryview(payload).cast("B")
+        if view.nbytes >= _PARALLEL_HASH_MIN:
+            pending = _hash_pool().submit(_sha256_hex, view)
+            self.add_payload(view)
+            return pending.result()
+        digest = hashlib.sha256(view).hexdigest()
+        self.add_payload(view)
+        return digest
 
     def core(self, begin: BeginManifestV2) -> SealCoreV2:
         return SealCoreV2(

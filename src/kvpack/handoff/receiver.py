@@ -32,7 +32,6 @@ own memory to one frame and avoids a fresh multi-MiB allocation per segment.
 
 from __future__ import annotations
 
-import hashlib
 import hmac as _hmac
 from dataclasses import dataclass
 from typing import Optional, Protocol, Sequence, Union
@@ -330,11 +329,12 @@ class Receiver:
         payload = frame.payload
         if payload.nbytes != d.byte_len:
             raise ProtocolError("digest", f"segment {seq}: {payload.nbytes} payload bytes, descriptor says {d.byte_len}")
-        got = hashlib.sha256(payload).hexdigest()
+        # the running payload digest is fed in the same pass; a mismatch closes the machine,
+        # so the extra bytes in it are never used
+        got = self._acc.add_payload_and_digest(payload)
         if not _hmac.compare_digest(got.encode(), d.sha256.encode()):
             raise ProtocolError("digest", f"segment {seq}: payload SHA-256 does not match its descriptor")
         self._acc.add_descriptor(d)
-        self._acc.add_payload(payload)
         self._seen.add(d.component_id)
         self._next += 1
         self._call("sink", self.sink.write_segment, d, payload)

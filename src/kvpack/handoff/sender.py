@@ -24,7 +24,7 @@ been written out; its digest was taken when ``send_segment`` was called.
 from __future__ import annotations
 
 import hashlib
-from typing import Iterable, Optional, Sequence
+from typing import Optional, Sequence
 
 from ..errors import ProtocolError
 from .events import Abort, Ack, Begin, Seal, Segment
@@ -43,10 +43,12 @@ from .schedule import SpanSegment
 from .state import SenderState, SENDER_TRANSITIONS, transition
 
 PRODUCER_FAILURE = "producer failure"
+_DEFAULT_LIMITS = FrameLimits()  # frozen: safe to share
 
 
-def descriptor_for(intent: SpanSegment | SegmentDescriptorV2, sequence: int, payload) -> SegmentDescriptorV2:
-    """A full descriptor for ``payload`` shaped as ``intent`` (upstream ``descriptor_for``)."""
+def descriptor_for(intent: SpanSegment | SegmentDescriptorV2, sequence: int, payload, sha256: str | None = None) -> SegmentDescriptorV2:
+    """A full descriptor for ``payload`` shaped as ``intent`` (upstream ``descriptor_for``).
+    ``sha256`` may carry the payload digest when the caller already computed it."""
     view = memoryview(payload).cast("B")
     return SegmentDescriptorV2(
         sequence=sequence,
@@ -58,7 +60,7 @@ def descriptor_for(intent: SpanSegment | SegmentDescriptorV2, sequence: int, pay
         element_type=intent.element_type,
         elements_per_token=intent.elements_per_token,
         byte_len=view.nbytes,
-        sha256=hashlib.sha256(view).hexdigest(),
+        sha256=sha256 if sha256 is not None else hashlib.sha256(view).hexdigest(),
     )
 
 
@@ -78,7 +80,7 @@ class Sender:
         key: bytes,
         *,
         prefix_cut: int = 0,
-        limits: FrameLimits = FrameLimits(),
+        limits: FrameLimits = _DEFAULT_LIMITS,
     ) -> None:
         if len(key) != 32:
             raise ValueError("Handoff V2 seal keys are 32 bytes")
@@ -184,7 +186,8 @@ class Sender:
         if self.deferred:
             if intent is None:
                 raise ProtocolError("manifest", "deferred mode needs a segment intent", remote=False)
-            d = descriptor_for(intent, seq, view)
+            # segment digest and running payload digest in one concurrent pass
+            d = descriptor_for(intent, seq, view, sha256=self._acc.add_payload_and_digest(view))
             check_descriptor(d, self._ids)
             self._overlap.add(d)
             frame = Segment(seq, view, d)
@@ -197,7 +200,8 @@ class Sender:
             frame = Segment(seq, view)
         out = encode_frame(frame, self.limits)
         self._acc.add_descriptor(d)
-        self._acc.add_payload(view)
+        if not self.deferred:
+            self._acc.add_payload(view)
         self._seen.add(d.component_id)
         self._next += 1
         return out
