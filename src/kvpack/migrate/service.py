@@ -33,7 +33,7 @@ from . import failpoints
 from . import machine as M
 from .bundle import check_identity, decode_bundle, open_sealed
 from .config import NodeConfig, build_engine, read_api_key
-from .decode_tier import LAYOUT_ABI, SOURCE_LABEL, DecodeDestination, validate_decode_destination
+from .decode_tier import LAYOUT_ABI, DecodeDestination, validate_decode_destination
 from .journal import Journals, decode_key, valid_id, view
 from .registry import SessionRegistry
 from .storage_tier import StorageDestination, load_storage_node
