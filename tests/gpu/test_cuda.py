@@ -45,13 +45,14 @@ def test_pinned_export_equals_cpu_export(dtype):
     assert pool.idle == pool.allocated
 
 
-def _roundtrip(tmp_path, eng, n, encrypted=False):
+def _roundtrip(tmp_path, eng, n, encrypted=False, staging="auto"):
     import torch
 
     tokens = random_tokens(n, eng.layout.vocab_size)
     s = eng.new_session()
     s.prefill(tokens)
     store = PackStore.init(os.path.join(tmp_path, "store"), encrypted=encrypted, chunk_bytes=64 * 1024)
+    store.plane_staging = staging  # "auto": whole planes on CUDA; "never": per-chunk slots
     store.save(s)
     r = eng.new_session()
     hit = store.find_deepest(tokens, eng.layout, eng.ids())
@@ -69,9 +70,10 @@ def _roundtrip(tmp_path, eng, n, encrypted=False):
     return store, tokens, s
 
 
+@pytest.mark.parametrize("staging", ["auto", "never"])
 @pytest.mark.parametrize("dtype", sorted(DTYPES))
-def test_store_roundtrip_on_cuda_is_bit_identical(tmp_path, dtype):
-    _roundtrip(tmp_path, llama_engine(dtype, device="cuda"), 1000)
+def test_store_roundtrip_on_cuda_is_bit_identical(tmp_path, dtype, staging):
+    _roundtrip(tmp_path, llama_engine(dtype, device="cuda"), 1000, staging=staging)
 
 
 def test_store_roundtrip_windowed_and_encrypted_on_cuda(tmp_path):

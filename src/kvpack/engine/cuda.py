@@ -328,6 +328,69 @@ class RestoreStager:
             self.copy_stream.synchronize()
 
 
+class PlaneStager:
+    """Restore staging by whole planes: the verified plaintexts of one (layer, role) state are
+    gathered into one (pinned) host buffer by the store's workers, then the plane crosses to
+    the device in a single host-to-device copy and is installed with a single transposing
+    copy. Per chunk, a worker does only file read, verification and one memcpy (numpy,
+    GIL released); the handful of device calls happen once per plane. On many-core hosts
+    this keeps the GIL-serialised Python per chunk small (the per-chunk slots of
+    :class:`RestoreStager` spend most of it in device calls).
+
+    Buffers are pooled by size (pinning memory is slow) and reused only once the copy that
+    read them has run (an event per buffer)."""
+
+    def __init__(self, device: Any) -> None:
+        torch = _torch()
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self._free: dict[int, list] = {}
+        self._lock = threading.Lock()
+
+    def host_plane(self, nbytes: int):
+        """A host buffer of exactly ``nbytes`` (pinned on CUDA) and its numpy view."""
+        with self._lock:
+            free = self._free.get(nbytes)
+            item = free.pop() if free else None
+        if item is None:
+            buf = _host_buffer(nbytes, self.cuda)
+            event = _torch().cuda.Event() if self.cuda else None
+            item = [buf, event, False]
+        buf, event, recorded = item
+        if recorded:
+            event.synchronize()  # the upload that last read this buffer has run
+            item[2] = False
+        return item, buf.numpy()
+
+    def upload(self, item):
+        """The plane on the device as a flat uint8 tensor (the current stream waits for it)."""
+        torch = _torch()
+        buf, event, _ = item
+        if not self.cuda:
+            return buf
+        with torch.cuda.stream(self.copy_stream):
+            dev = torch.empty(buf.numel(), dtype=torch.uint8, device=self.device)
+            dev.copy_(buf, non_blocking=True)
+            event.record(self.copy_stream)
+        torch.cuda.current_stream(self.device).wait_event(event)
+        # keep the device buffer alive until the current stream has used it
+        dev.record_stream(torch.cuda.current_stream(self.device))
+        return dev
+
+    def release(self, item) -> None:
+        """Return a host buffer; reuse waits for its upload (recorded in ``upload``)."""
+        if self.cuda:
+            item[2] = True
+        with self._lock:
+            self._free.setdefault(item[0].numel(), []).append(item)
+
+
+def plane_stager(device: Any) -> PlaneStager:
+    """The process-wide plane stager for ``device`` (kept: its pinned buffers are reused)."""
+    return _pool_for("planes", device, 0, lambda: PlaneStager(device))
+
+
 def restore_stager(device: Any, slots: int) -> RestoreStager:
     """The process-wide stager for ``device`` with at least ``slots`` slots (kept for reuse:
     pinning memory is slow, and a restore needs it again)."""
@@ -338,6 +401,8 @@ def restore_stager(device: Any, slots: int) -> RestoreStager:
 
 __all__ = [
     "HostBufferPool",
+    "PlaneStager",
+    "plane_stager",
     "RestoreStager",
     "StagingSlot",
     "export_pool",

@@ -553,6 +553,16 @@ class DetachedInstall:
 
         return restore_stager(device, slots)
 
+    def plane_stager(self, *, force: bool = False):
+        """Whole-plane restore staging (kvpack.engine.cuda.PlaneStager) on a CUDA device, or
+        ``None`` on the CPU (``force`` returns one on the CPU too, for tests)."""
+        device = self.session.engine.device
+        if device.type != "cuda" and not force:
+            return None
+        from .cuda import plane_stager
+
+        return plane_stager(device)
+
     def write_rows(self, layer: int, role: str, start: int, data) -> None:
         """Copy token-major wire rows starting at absolute row ``start`` into the detached cache.
 

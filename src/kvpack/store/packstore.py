@@ -25,6 +25,7 @@ import hashlib
 import json
 import os
 import secrets
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -113,6 +114,8 @@ class PackStore:
         self.keys = KeySchedule.derive(root, self.tenant, self.epoch)
         # hashing/AEAD/writes run on this many threads; 1 makes the I/O order deterministic
         self.workers = _workers()
+        # restore staging by whole planes: "auto" on CUDA installs, "always" (tests), "never"
+        self.plane_staging = "auto"
 
     # -- opening -----------------------------------------------------------------------------
     @classmethod
@@ -525,6 +528,11 @@ class PackStore:
                 a, b = max(span.token_start, lo), min(span.token_start + span.token_count, hi)
                 if a < b:  # spans wholly outside a windowed layer's window are not even read
                     jobs.append((manifest, key, span, ref, a, b))
+        planes = None
+        if hasattr(install, "plane_stager"):
+            planes = install.plane_stager(force=self.plane_staging == "always") if self.plane_staging != "never" else None
+        if planes is not None:
+            return self._install_planes(jobs, ctx, install, planes)
         verified = nbytes = 0
         window = 2 * self.workers
         # On a CUDA install: chunk files are read into pinned slots, verified there and
@@ -561,6 +569,79 @@ class PackStore:
                     for fut, _job in pending:
                         if fut.exception() is None:
                             fut.result().release()
+        return verified, nbytes
+
+    def _install_planes(self, jobs: list, ctx: _Context, install, stager) -> tuple[int, int]:
+        """Restore by whole planes (CUDA): workers verify chunks and copy their rows into one
+        host buffer per (layer, role); each complete plane is uploaded and installed with a
+        couple of device calls (kvpack.engine.cuda.PlaneStager)."""
+        by_plane: dict[tuple[int, str], list] = {}
+        for job in jobs:
+            by_plane.setdefault((job[1].layer, job[1].name), []).append(job)
+        verified = nbytes = 0
+        window = 2 * self.workers
+        local = threading.local()
+
+        def verify_into(job, target, lo: int, row: int) -> int:
+            manifest, key, span, ref, a, b = job
+            buf = getattr(local, "buf", None)
+            if buf is None:
+                buf = local.buf = bytearray(C.MAX_CHUNK_OBJECT_BYTES + C.ALIGNMENT)
+            try:
+                with open(self.chunk_path(ref.content_id), "rb", buffering=0) as fh:
+                    view, n = memoryview(buf), 0
+                    while n < len(buf):
+                        got = fh.readinto(view[n:])
+                        if not got:
+                            break
+                        n += got
+                    if n == len(buf):  # larger than any chunk object: read it all, the decoder refuses
+                        obj = view.tobytes() + fh.read()
+                    else:
+                        obj = view[:n]
+            except FileNotFoundError:
+                raise StoreError("incomplete", f"chunk {ref.content_id.hex()} is missing") from None
+            plaintext = decode_chunk(obj, ref=ref, span=span, tenant=self.tenant, family=manifest.family, key=key, keys=self.keys, family_digest=ctx.family_digest)
+            src = np.frombuffer(plaintext, dtype=np.uint8)[(a - span.token_start) * row : (b - span.token_start) * row]
+            np.copyto(target[(a - lo) * row : (b - lo) * row], src)
+            return ref.object_bytes
+
+        held: list = []
+        queued: list[tuple[tuple, object, list[Future]]] = []
+
+        def finish_plane(entry) -> None:
+            nonlocal verified, nbytes
+            (layer, role, lo), item, futs = entry
+            for fut in futs:
+                nbytes += fut.result()
+                verified += 1
+            install.write_rows(layer, role, lo, stager.upload(item))
+            held.remove(item)
+            stager.release(item)
+
+        try:
+            with ThreadPoolExecutor(self.workers) as pool:
+                try:
+                    for (layer, role), plane_jobs in by_plane.items():
+                        lo, hi = install.required_range(layer)
+                        row = ctx.layout.layer(layer).row_bytes
+                        item, target = stager.host_plane((hi - lo) * row)
+                        held.append(item)
+                        futs = [pool.submit(verify_into, job, target, lo, row) for job in plane_jobs]
+                        queued.append(((layer, role, lo), item, futs))
+                        while queued and sum(len(q[2]) for q in queued) > window:
+                            finish_plane(queued.pop(0))
+                    while queued:
+                        finish_plane(queued.pop(0))
+                except BaseException:
+                    for entry in queued:  # refused midway: drop what has not started
+                        for fut in entry[2]:
+                            fut.cancel()
+                    raise
+        finally:
+            # the pool has shut down: no worker writes into these buffers any more
+            for item in held:
+                stager.release(item)
         return verified, nbytes
 
     def _verify_chunk(self, manifest: Manifest, key, span, ref: ChunkRef, ctx: _Context, stager=None):
