@@ -579,7 +579,9 @@ class PackStore:
         for job in jobs:
             by_plane.setdefault((job[1].layer, job[1].name), []).append(job)
         verified = nbytes = 0
-        window = 2 * self.workers
+        # planes complete in order: keep enough chunks queued that the pool never drains
+        # while the oldest plane waits for its last chunk (bounded: the host planes are pinned)
+        window = 6 * self.workers
         local = threading.local()
 
         def verify_into(job, target, lo: int, row: int) -> int:
