@@ -17,6 +17,8 @@ import numpy as np
 
 from ..errors import EngineError
 from .contract import DTYPE_WIDTH, LAYER_FULL, LAYER_WINDOWED, CacheLayout, EngineIdentity, IdentityIds, LayerSpec
+from .contract import cache_digest as contract_cache_digest
+from .contract import state_digest as contract_state_digest
 
 
 def array_layout(layers: int = 4, kv_heads: int = 2, head_dim: int = 8, dtype: str = "f32", windowed: dict[int, int] | None = None, vocab: int = 64) -> CacheLayout:
@@ -137,17 +139,12 @@ class ArraySession:
         return memoryview(self.last_logits.astype("<f4")).cast("B")
 
     def state_digest(self, layer: int, role: str) -> bytes:
-        lo, hi = self.retained_range(layer)
-        return hashlib.sha256(self.export_rows(layer, role, lo, hi)).digest()
+        """SHA-256 of the retained rows of one state in wire form (for restore proofs)."""
+        return contract_state_digest(self, layer, role)
 
     def cache_digest(self) -> bytes:
-        h = hashlib.sha256(b"kvpack/engine/v1/session-cache\0")
-        h.update(self.position.to_bytes(8, "little"))
-        for layer, role in self.layout.states():
-            h.update(self.state_digest(layer, role))
-        if self.last_logits is not None:
-            h.update(hashlib.sha256(self.export_logits()).digest())
-        return h.digest()
+        """SHA-256 over the position, every state digest and the logits (contract.cache_digest)."""
+        return contract_cache_digest(self)
 
     def begin_install(self, cut: int, token_ids: Sequence[int], identity) -> "ArrayInstall":
         self.engine.check_identity(identity)

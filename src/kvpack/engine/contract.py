@@ -376,3 +376,25 @@ class EngineIdentity:
         import dataclasses
 
         return dataclasses.replace(self, **changes)
+
+
+# --------------------------------------------------------------------------------------------
+# session proofs (shared by every adapter, so digests compare across adapters and processes)
+
+
+def state_digest(session: Any, layer: int, role: str) -> bytes:
+    """SHA-256 of the rows a session retains for one state, in wire form."""
+    lo, hi = session.retained_range(layer)
+    return hashlib.sha256(session.export_rows(layer, role, lo, hi)).digest()
+
+
+def cache_digest(session: Any) -> bytes:
+    """SHA-256 over the position, every state digest in canonical order and the logits row:
+    equal digests mean a restored cache is byte-identical to the saved one."""
+    h = hashlib.sha256(b"kvpack/engine/v1/session-cache\0")
+    h.update(session.position.to_bytes(8, "little"))
+    for layer, role in session.layout.states():
+        h.update(state_digest(session, layer, role))
+    if session.last_logits is not None:
+        h.update(hashlib.sha256(session.export_logits()).digest())
+    return h.digest()

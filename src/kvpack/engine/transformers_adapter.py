@@ -32,6 +32,8 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from ..errors import EngineError
+from .contract import cache_digest as contract_cache_digest
+from .contract import state_digest as contract_state_digest
 from .contract import (
     LAYER_FULL,
     LAYER_WINDOWED,
@@ -468,18 +470,11 @@ class EngineSession:
 
     def state_digest(self, layer: int, role: str) -> bytes:
         """SHA-256 of the retained rows of one state in wire form (for restore proofs)."""
-        lo, hi = self.retained_range(layer)
-        return hashlib.sha256(self.export_rows(layer, role, lo, hi)).digest()
+        return contract_state_digest(self, layer, role)
 
     def cache_digest(self) -> bytes:
-        """SHA-256 over every state digest in canonical order, the position and the logits."""
-        h = hashlib.sha256(b"kvpack/engine/v1/session-cache\0")
-        h.update(self.position.to_bytes(8, "little"))
-        for layer, role in self.layout.states():
-            h.update(self.state_digest(layer, role))
-        if self.last_logits is not None:
-            h.update(hashlib.sha256(self.export_logits()).digest())
-        return h.digest()
+        """SHA-256 over the position, every state digest and the logits (contract.cache_digest)."""
+        return contract_cache_digest(self)
 
     # -- install --------------------------------------------------------------------------
 
