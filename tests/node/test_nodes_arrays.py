@@ -41,8 +41,9 @@ def reference(engine, tokens, n=8):
 
 
 class Nodes:
-    def __init__(self, tmp, *, producer_engine=None, advertised_port=None, control_port=None, wire_tap=None):
+    def __init__(self, tmp, *, producer_engine=None, advertised_port=None, control_port=None, wire_tap=None, strict_producer=False):
         self.tmp = str(tmp)
+        self.strict_producer = strict_producer
         self.engine = load_engine(ENGINE)
         self.enrolled = Enrolled(os.path.join(self.tmp, "cluster"), self.engine, producers=("prefill-a", "prefill-b"))
         self.rcfg = self.enrolled.receiver_config()
@@ -58,6 +59,7 @@ class Nodes:
 
     def _producer(self):
         return ProducerNode(self.pcfg, self.producer_engine, receipts_dir=self.pdir, wire_tap=self.wire_tap,
+                            accept_prefix_cut_extension=not self.strict_producer,
                             store=PackStore.open(p) if os.path.exists(os.path.join(p := os.path.join(self.tmp, "pstore"), "store.json"))
                             else PackStore.init(p)).start()
 
@@ -129,6 +131,20 @@ def test_full_then_delta_handoff_bit_exact_with_receipts_and_metrics(nodes):
     assert 'kvpack_ledger_reservations_total{result="ok",role="receiver"} 2.0' in text
     assert "kvpack_phase_seconds_bucket" in text
     assert 'kvpack_prefilled_tokens_total{role="producer"}' in http_get(n.producer.metrics.port)
+
+
+def test_delta_request_refused_by_a_strict_producer_falls_back_to_full(nodes):
+    """An upstream-style producer (request V1 denies unknown fields) refuses the delta
+    extension before accepting; the receiver then serves the prompt with a full transfer."""
+    n = nodes(strict_producer=True)
+    n.receiver.generate(PROMPT, 8)
+    r2 = n.receiver.generate(FOLLOW, 8)
+    assert "delta_fallback" in r2 and "producer answered failed" in r2["delta_fallback"]
+    assert r2["plan"]["action"] == "full_transfer" and r2["transfer"]["prefix_cut"] == 0
+    assert r2["transfer"]["payload_bytes"] == n.receiver.geometry.tile_bytes(len(FOLLOW) - 1)
+    assert (r2["tokens"], r2["logits_sha256"]) == reference(n.engine, FOLLOW)
+    refusals = [r for r in receipts(n.pdir) if r.get("verdict") == "refused"]
+    assert refusals and refusals[-1]["phase"] == "request"
 
 
 def test_control_channel_carries_no_cache_bytes(nodes, tmp_path):

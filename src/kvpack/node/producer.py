@@ -124,8 +124,12 @@ class ProducerNode:
         resident_bytes: int = 1 << 30,
         pacing_bytes_per_s: Optional[float] = None,
         wire_tap=None,
+        accept_prefix_cut_extension: bool = True,
     ) -> None:
         self.config = config
+        # False behaves like the upstream prefill daemon, whose request V1 denies unknown
+        # fields: a delta request (extension key) is answered "failed" before "accepted"
+        self.accept_prefix_cut_extension = accept_prefix_cut_extension
         self.engine = engine
         self.store = store
         self.receipts = ReceiptWriter(receipts_dir)
@@ -214,7 +218,7 @@ class ProducerNode:
                 raw_msg = read_control(ctl, time.monotonic() + 30.0)
                 frames.append({"dir": "received", "type": "request", "bytes": len(cj.canonical_bytes(raw_msg)) + 12})
                 hint = 0
-                if isinstance(raw_msg, dict) and EXT_PREFIX_CUT in raw_msg:
+                if isinstance(raw_msg, dict) and EXT_PREFIX_CUT in raw_msg and self.accept_prefix_cut_extension:
                     hint = cj.u64(raw_msg.pop(EXT_PREFIX_CUT), EXT_PREFIX_CUT)
                 req = ControlRequestV1.from_json(raw_msg)
                 rid = req.request_id

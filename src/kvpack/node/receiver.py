@@ -504,10 +504,18 @@ class ReceiverNode:
             frames.append({"dir": "sent", "type": "request", "bytes": len(frame)})
             raw = read_control(ctl, time.monotonic() + 30.0)
             resp = ControlResponse.from_json(raw)
+            if resp.status == "failed" and resp.request_id != rid:
+                # a producer that could not parse the request cannot echo its id; on this
+                # connection (one request) the answer is still the refusal of our request
+                refused = ProtocolError("aborted", f"producer answered failed: {resp.error}")
+                refused.request_refused = True  # type: ignore[attr-defined]
+                raise refused
             resp.validate_for(rid)
             frames.append({"dir": "received", "type": resp.status, "bytes": len(encode_control(raw))})
             if resp.status != "accepted":
-                raise ProtocolError("aborted", f"producer answered {resp.status}: {resp.error}")
+                refused = ProtocolError("aborted", f"producer answered {resp.status}: {resp.error}")
+                refused.request_refused = True  # type: ignore[attr-defined]  # nothing was sent or installed
+                raise refused
             control_s = time.perf_counter() - t_c0
             out = self.wait(pending, control=ctl)
             early = out.pop("_early_response", None)
@@ -548,7 +556,18 @@ class ReceiverNode:
                 if plan.action is ReuseAction.SERVE_LOCAL:
                     self._serve_local(plan, tokens)
                 else:
-                    result["transfer"] = self._remote(tokens, plan, t0_ms)
+                    try:
+                        result["transfer"] = self._remote(tokens, plan, t0_ms)
+                    except ProtocolError as exc:
+                        # A producer that refuses the delta request before accepting it (an
+                        # upstream prefilld denies the extension key) still serves the prompt
+                        # with a full transfer; anything after "accepted" is a real failure.
+                        if not (plan.prefix_cut and getattr(exc, "request_refused", False)):
+                            raise
+                        result["delta_fallback"] = str(exc)[:500]
+                        plan = Plan(ReuseAction.FULL_TRANSFER, "none", 0, None, plan.lookup_s)
+                        result["plan"] = plan.to_json()
+                        result["transfer"] = self._remote(tokens, plan, now_ms())
             except BaseException:
                 self.metrics.phases({"request_failed": time.perf_counter() - t_start})
                 raise
