@@ -1,0 +1,56 @@
+"""Profile helper: build an 8B-shaped f16 Llama on CUDA, prefill N tokens, save the cut, then
+restore it --repeat times (the part to profile, e.g. under ``py-spy record --gil``).
+Prints one JSON line with the restore times."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=32768)
+    ap.add_argument("--repeat", type=int, default=6)
+    ap.add_argument("--workers", type=int, default=os.cpu_count())
+    ap.add_argument("--store-dir", default=tempfile.mkdtemp())
+    args = ap.parse_args()
+    import torch
+
+    from bench_gpu import build_model  # the benchmark's own model builder
+
+    from kvpack.engine.transformers_adapter import TransformersEngine
+    from kvpack.store import PackStore
+
+    spec = argparse.Namespace(device="cuda", dtype="f16", layers=32, hidden=4096, heads=32, kv_heads=8, head_dim=128,
+                              intermediate=14336, vocab=128256, seed=0, tokens=[args.tokens])
+    engine = TransformersEngine(build_model(spec, torch), device="cuda", prefill_chunk_tokens=256, max_context=args.tokens + 256)
+    tokens = torch.randint(0, 128000, (args.tokens,), generator=torch.Generator().manual_seed(5)).tolist()
+    s = engine.new_session()
+    with torch.inference_mode():
+        s.prefill(tokens)
+    store = PackStore.init(os.path.join(args.store_dir, "p"))
+    store.workers = args.workers
+    store.save(s)
+    hit = store.find_deepest(tokens, engine.layout, engine.identity.ids())
+    times = []
+    print("RESTORE-START", flush=True)
+    for _ in range(args.repeat):
+        r = engine.new_session()
+        t0 = time.perf_counter()
+        store.restore(hit, r, tokens)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        del r
+    print(json.dumps({"tokens": args.tokens, "restore_s": [round(t, 4) for t in times], "median_s": round(statistics.median(times), 4)}))
+
+
+if __name__ == "__main__":
+    main()
