@@ -328,17 +328,23 @@ class RestoreStager:
             self.copy_stream.synchronize()
 
 
-class PlaneStager:
-    """Restore staging by whole planes: the verified plaintexts of one (layer, role) state are
-    gathered into one (pinned) host buffer by the store's workers, then the plane crosses to
-    the device in a single host-to-device copy and is installed with a single transposing
-    copy. Per chunk, a worker does only file read, verification and one memcpy (numpy,
-    GIL released); the handful of device calls happen once per plane. On many-core hosts
-    this keeps the GIL-serialised Python per chunk small (the per-chunk slots of
-    :class:`RestoreStager` spend most of it in device calls).
+#: Bytes of one chunk-object slot in a plane's staging buffer (4096-aligned).
+SLOT_BYTES = -(-MAX_OBJECT_BYTES // 4096) * 4096
 
-    Buffers are pooled by size (pinning memory is slow) and reused only once the copy that
-    read them has run (an event per buffer)."""
+
+class PlaneStager:
+    """Restore staging by whole planes (the default on CUDA installs).
+
+    For one (layer, role) state the store's workers read each chunk object file into its own
+    slot of one pinned host buffer, verify it *there* (a raw chunk's plaintext is a view into
+    the slot: hashed in place, never copied by the CPU) and queue a host-to-device copy of
+    the needed rows into one device buffer for the plane. Once every chunk of the plane is
+    verified, the plane is installed with a single transposing copy. Each byte thus leaves
+    the page cache once, is hashed twice in place and crosses PCIe once; device calls per
+    chunk are a slice and a copy.
+
+    Host buffers are pooled by size (pinning memory is slow) and reused only after the copies
+    that read them have run (one event per buffer)."""
 
     def __init__(self, device: Any) -> None:
         torch = _torch()
@@ -348,8 +354,9 @@ class PlaneStager:
         self._free: dict[int, list] = {}
         self._lock = threading.Lock()
 
-    def host_plane(self, nbytes: int):
-        """A host buffer of exactly ``nbytes`` (pinned on CUDA) and its numpy view."""
+    def host_slots(self, count: int):
+        """A host buffer of ``count`` object slots (pinned on CUDA) and its numpy view."""
+        nbytes = count * SLOT_BYTES
         with self._lock:
             free = self._free.get(nbytes)
             item = free.pop() if free else None
@@ -359,29 +366,54 @@ class PlaneStager:
             item = [buf, event, False]
         buf, event, recorded = item
         if recorded:
-            event.synchronize()  # the upload that last read this buffer has run
+            event.synchronize()  # the copies that last read this buffer have run
             item[2] = False
         return item, buf.numpy()
 
-    def upload(self, item):
-        """The plane on the device as a flat uint8 tensor (the current stream waits for it)."""
+    def device_plane(self, nbytes: int):
+        """The device buffer a plane's rows are gathered into (flat uint8)."""
         torch = _torch()
-        buf, event, _ = item
-        if not self.cuda:
-            return buf
-        with torch.cuda.stream(self.copy_stream):
-            dev = torch.empty(buf.numel(), dtype=torch.uint8, device=self.device)
-            dev.copy_(buf, non_blocking=True)
-            event.record(self.copy_stream)
-        torch.cuda.current_stream(self.device).wait_event(event)
-        # keep the device buffer alive until the current stream has used it
-        dev.record_stream(torch.cuda.current_stream(self.device))
+        with torch.inference_mode(False):
+            return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def copy_rows(self, item, plaintext, start: int, nbytes: int, dev, dev_offset: int) -> None:
+        """Queue the copy of ``plaintext[start:start+nbytes]`` to ``dev[dev_offset:]``.
+
+        A view into this item's (pinned) buffer is copied asynchronously on the copy stream;
+        a decoded copy (lossless or encrypted chunk) is copied synchronously."""
+        import numpy as np
+
+        torch = _torch()
+        if nbytes == 0:
+            return
+        arr = np.frombuffer(plaintext, dtype=np.uint8)[start : start + nbytes]
+        host = item[0]
+        offset = arr.__array_interface__["data"][0] - host.data_ptr()
+        target = dev[dev_offset : dev_offset + nbytes]
+        if 0 <= offset and offset + nbytes <= host.numel():
+            src, pinned = host[offset : offset + nbytes], True
+        else:
+            src, pinned = _frombuffer(arr), False
+        if self.cuda:
+            with torch.cuda.stream(self.copy_stream):
+                target.copy_(src, non_blocking=pinned)
+        else:
+            target.copy_(src)
+
+    def finish(self, item, dev):
+        """All copies of a plane are queued: make the current stream wait for them and mark
+        the host buffer as in use until they have run. Returns ``dev``."""
+        torch = _torch()
+        if self.cuda:
+            item[1].record(self.copy_stream)
+            item[2] = True
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(item[1])
+            dev.record_stream(current)
         return dev
 
     def release(self, item) -> None:
-        """Return a host buffer; reuse waits for its upload (recorded in ``upload``)."""
-        if self.cuda:
-            item[2] = True
+        """Return a host buffer to the pool (reuse waits for its copies, see ``finish``)."""
         with self._lock:
             self._free.setdefault(item[0].numel(), []).append(item)
 

@@ -25,7 +25,6 @@ import hashlib
 import json
 import os
 import secrets
-import threading
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -393,7 +392,7 @@ class PackStore:
             plan.append((fs.key.layer, fs.key.name, start, stop, max(start, lo), min(stop, hi)))
         exports = export_spans([(layer, role, a, b) for layer, role, _s, _e, a, b in plan if a < b], depth=2 * self.workers)
         try:
-            for layer, role, start, stop, a, b in plan:
+            for layer, _role, start, stop, a, b in plan:
                 if a <= start and b >= stop:
                     yield next(exports)
                     continue
@@ -572,52 +571,49 @@ class PackStore:
         return verified, nbytes
 
     def _install_planes(self, jobs: list, ctx: _Context, install, stager) -> tuple[int, int]:
-        """Restore by whole planes (CUDA): workers verify chunks and copy their rows into one
-        host buffer per (layer, role); each complete plane is uploaded and installed with a
-        couple of device calls (kvpack.engine.cuda.PlaneStager)."""
+        """Restore by whole planes (kvpack.engine.cuda.PlaneStager): workers read each chunk
+        object into its slot of one pinned buffer per (layer, role), verify it in place and
+        queue the copy of its rows to the device plane; each complete plane is installed
+        with one transposing copy."""
+        from ..engine.cuda import SLOT_BYTES
+
         by_plane: dict[tuple[int, str], list] = {}
         for job in jobs:
             by_plane.setdefault((job[1].layer, job[1].name), []).append(job)
         verified = nbytes = 0
         # planes complete in order: keep enough chunks queued that the pool never drains
-        # while the oldest plane waits for its last chunk (bounded: the host planes are pinned)
+        # while the oldest plane waits for its last chunk (bounded: the host slots are pinned)
         window = 6 * self.workers
-        local = threading.local()
 
-        def verify_into(job, target, lo: int, row: int) -> int:
+        def verify_into(job, item, view, slot: int, dev, lo: int, row: int) -> int:
             manifest, key, span, ref, a, b = job
-            buf = getattr(local, "buf", None)
-            if buf is None:
-                buf = local.buf = bytearray(C.MAX_CHUNK_OBJECT_BYTES + C.ALIGNMENT)
+            region = memoryview(view)[slot * SLOT_BYTES : (slot + 1) * SLOT_BYTES]
             try:
                 with open(self.chunk_path(ref.content_id), "rb", buffering=0) as fh:
-                    view, n = memoryview(buf), 0
-                    while n < len(buf):
-                        got = fh.readinto(view[n:])
+                    n = 0
+                    while n < SLOT_BYTES:
+                        got = fh.readinto(region[n:])
                         if not got:
                             break
                         n += got
-                    if n == len(buf):  # larger than any chunk object: read it all, the decoder refuses
-                        obj = view.tobytes() + fh.read()
-                    else:
-                        obj = view[:n]
+                    # larger than any chunk object: read it all, the decoder refuses it
+                    obj = region.tobytes() + fh.read() if n == SLOT_BYTES else region[:n]
             except FileNotFoundError:
                 raise StoreError("incomplete", f"chunk {ref.content_id.hex()} is missing") from None
             plaintext = decode_chunk(obj, ref=ref, span=span, tenant=self.tenant, family=manifest.family, key=key, keys=self.keys, family_digest=ctx.family_digest)
-            src = np.frombuffer(plaintext, dtype=np.uint8)[(a - span.token_start) * row : (b - span.token_start) * row]
-            np.copyto(target[(a - lo) * row : (b - lo) * row], src)
+            stager.copy_rows(item, plaintext, (a - span.token_start) * row, (b - a) * row, dev, (a - lo) * row)
             return ref.object_bytes
 
         held: list = []
-        queued: list[tuple[tuple, object, list[Future]]] = []
+        queued: list[tuple[tuple, object, object, list[Future]]] = []
 
         def finish_plane(entry) -> None:
             nonlocal verified, nbytes
-            (layer, role, lo), item, futs = entry
+            (layer, role, lo), item, dev, futs = entry
             for fut in futs:
                 nbytes += fut.result()
                 verified += 1
-            install.write_rows(layer, role, lo, stager.upload(item))
+            install.write_rows(layer, role, lo, stager.finish(item, dev))
             held.remove(item)
             stager.release(item)
 
@@ -627,21 +623,24 @@ class PackStore:
                     for (layer, role), plane_jobs in by_plane.items():
                         lo, hi = install.required_range(layer)
                         row = ctx.layout.layer(layer).row_bytes
-                        item, target = stager.host_plane((hi - lo) * row)
+                        item, view = stager.host_slots(len(plane_jobs))
                         held.append(item)
-                        futs = [pool.submit(verify_into, job, target, lo, row) for job in plane_jobs]
-                        queued.append(((layer, role, lo), item, futs))
-                        while queued and sum(len(q[2]) for q in queued) > window:
+                        dev = stager.device_plane((hi - lo) * row)
+                        futs = [pool.submit(verify_into, job, item, view, i, dev, lo, row) for i, job in enumerate(plane_jobs)]
+                        queued.append(((layer, role, lo), item, dev, futs))
+                        while queued and sum(len(q[3]) for q in queued) > window:
                             finish_plane(queued.pop(0))
                     while queued:
                         finish_plane(queued.pop(0))
                 except BaseException:
                     for entry in queued:  # refused midway: drop what has not started
-                        for fut in entry[2]:
+                        for fut in entry[3]:
                             fut.cancel()
                     raise
         finally:
             # the pool has shut down: no worker writes into these buffers any more
+            if held and stager.cuda:
+                stager.copy_stream.synchronize()  # nor does a queued copy read them
             for item in held:
                 stager.release(item)
         return verified, nbytes
