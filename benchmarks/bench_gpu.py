@@ -52,6 +52,8 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from handoff_doubles import KEY, CountingSink, MemoryLedger  # benchmarks/ is on sys.path when run as a script
+
 
 def _emit(line: dict, out: str | None) -> None:
     text = json.dumps(line, sort_keys=True)
@@ -369,41 +371,6 @@ def _manifest(tid: str, position: int):
     )
 
 
-class _Ledger:
-    def __init__(self) -> None:
-        self.highest = 0
-
-    def admit(self, key_id, epoch, generation):
-        if generation <= self.highest:
-            raise RuntimeError("replay")
-
-    def reserve(self, key_id, epoch, generation):
-        self.admit(key_id, epoch, generation)
-        self.highest = generation
-
-
-class _CountingSink:
-    def __init__(self) -> None:
-        self.bytes = 0
-        self.committed = False
-
-    def begin(self, manifest, prefix_cut):
-        pass
-
-    def write_segment(self, d, payload):
-        self.bytes += payload.nbytes
-
-    def prepare(self):
-        pass
-
-    def commit(self):
-        self.committed = True
-
-    def abort(self):
-        pass
-
-
-KEY = bytes(range(32))
 
 
 def sealed_stripe(pair, segs, payload, position: int, elements: int, etype: str, tid: str) -> int:
@@ -414,12 +381,12 @@ def sealed_stripe(pair, segs, payload, position: int, elements: int, etype: str,
 
     client, server = pair
     manifest = _manifest(tid, position)
-    sink = _CountingSink()
+    sink = CountingSink()
     result: dict = {}
 
     def receive():
         try:
-            receiver = Receiver(ReceiverConfig(key=KEY, key_id="bench", minimum_epoch=1, layout=None), sink, _Ledger(), now_unix_ms=manifest.created_unix_ms + 1)
+            receiver = Receiver(ReceiverConfig(key=KEY, key_id="bench", minimum_epoch=1, layout=None), sink, MemoryLedger(), now_unix_ms=manifest.created_unix_ms + 1)
             while True:
                 dst = receiver.wanted()
                 if not len(dst):

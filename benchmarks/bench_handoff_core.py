@@ -39,46 +39,9 @@ from kvpack.handoff.receiver import Receiver, ReceiverConfig
 from kvpack.handoff.schedule import MUSE, muse_intents, payload_bytes
 from kvpack.handoff.sender import Sender
 
+from handoff_doubles import KEY, CountingSink, MemoryLedger as Ledger  # noqa: E402 - benchmarks/ is on sys.path
+
 TILE_BYTES = 6_815_744
-KEY = bytes(range(32))
-
-
-class CountingSink:
-    """Accepts segments into a (virtual) detached generation; keeps counts only."""
-
-    def __init__(self) -> None:
-        self.bytes = 0
-        self.committed = False
-
-    def begin(self, manifest, prefix_cut):
-        pass
-
-    def write_segment(self, d, payload):
-        self.bytes += payload.nbytes
-
-    def prepare(self):
-        pass
-
-    def commit(self):
-        self.committed = True
-
-    def abort(self):
-        pass
-
-
-class Ledger:
-    def __init__(self) -> None:
-        self.highest = 0
-
-    def admit(self, key_id, epoch, generation):
-        if generation <= self.highest:
-            raise RuntimeError("replay")
-
-    def reserve(self, key_id, epoch, generation):
-        self.admit(key_id, epoch, generation)
-        self.highest = generation
-
-
 def position_for(target: int) -> int:
     position = 512
     while payload_bytes(muse_intents(position)) < target:
