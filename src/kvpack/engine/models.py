@@ -315,6 +315,24 @@ def _finish_random(name: str, model: Any, precision: str = "random-init->float32
     )
 
 
+def _small_geometry(vocab, hidden, layers, heads, kv_heads, head_dim, max_positions) -> dict[str, Any]:
+    """Config fields shared by the small random test models."""
+    return {
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": hidden * 2,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "max_position_embeddings": max_positions,
+        # small vocabularies: the models' default special ids (Cohere2: 255000+) lie outside
+        "pad_token_id": 0,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+
+
 def build_cohere2(
     *,
     seed: int = 0,
@@ -340,20 +358,9 @@ def build_cohere2(
         raise EngineError("model", "the Muse layout needs a multiple of 4 layers")
     layer_types = ["full_attention" if i % 4 == 3 else "sliding_attention" for i in range(num_hidden_layers)]
     cfg = Cohere2Config(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=hidden_size * 2,
-        num_hidden_layers=num_hidden_layers,
-        num_attention_heads=num_attention_heads,
-        num_key_value_heads=num_key_value_heads,
-        head_dim=head_dim,
+        **_small_geometry(vocab_size, hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim, max_position_embeddings),
         sliding_window=sliding_window,
         layer_types=layer_types,
-        max_position_embeddings=max_position_embeddings,
-        # Cohere2's default special ids (255000+) lie outside a small vocabulary.
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
     )
     torch.manual_seed(seed)
     model = Cohere2ForCausalLM(cfg)
@@ -376,17 +383,7 @@ def build_llama(
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=hidden_size * 2,
-        num_hidden_layers=num_hidden_layers,
-        num_attention_heads=num_attention_heads,
-        num_key_value_heads=num_key_value_heads,
-        head_dim=head_dim,
-        max_position_embeddings=max_position_embeddings,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
+        **_small_geometry(vocab_size, hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim, max_position_embeddings)
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(cfg)
