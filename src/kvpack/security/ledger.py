@@ -232,17 +232,21 @@ class ReplayLedger:
             return dict(self._highest)
 
     # -- admission and reservation --------------------------------------------------------------
+    def _refuse_if_inadmissible(self, key_id: str, epoch: int, generation: int) -> None:
+        """The C.9 admission rules against the current state; call with the mutex held."""
+        refusal = admission_refusal(
+            self._highest, key_id, epoch, generation,
+            minimum_epoch=self.minimum_epoch, degraded=self._degraded,
+        )
+        if refusal is not None:
+            raise refusal
+
     def admit(self, key_id: str, epoch: int, generation: int) -> None:
         """Refuse (typed SecurityError) unless this generation may still be reserved."""
         self._ensure_open()
         _check_admission_args(key_id, epoch, generation)
         with self._mutex:
-            refusal = admission_refusal(
-                self._highest, key_id, epoch, generation,
-                minimum_epoch=self.minimum_epoch, degraded=self._degraded,
-            )
-        if refusal is not None:
-            raise refusal
+            self._refuse_if_inadmissible(key_id, epoch, generation)
 
     def reserve(self, key_id: str, epoch: int, generation: int) -> None:
         """Admit again and durably record ``generation`` as the new watermark.
@@ -254,12 +258,7 @@ class ReplayLedger:
         self._ensure_open()
         _check_admission_args(key_id, epoch, generation)
         with self._mutex:
-            refusal = admission_refusal(
-                self._highest, key_id, epoch, generation,
-                minimum_epoch=self.minimum_epoch, degraded=self._degraded,
-            )
-            if refusal is not None:
-                raise refusal
+            self._refuse_if_inadmissible(key_id, epoch, generation)
             proposed = dict(self._highest)
             proposed[ledger_key(key_id, epoch)] = generation
             try:
