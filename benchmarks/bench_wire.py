@@ -25,7 +25,6 @@ Prints ONE JSON line.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import socket
@@ -172,16 +171,7 @@ def run_rate(engine, rcfg, pcfg, total: int) -> dict:
                 ch.sendall(big[: s.byte_len])
             ch.recv_exact(1)
         else:
-            sender = Sender(manifest_for(engine, position, rcfg.hmac_key_id, rcfg.minimum_hmac_epoch, 1), key)
-            for b in sender.begin():
-                ch.sendall(b)
-            for s in segs:
-                for b in sender.send_segment(big[: s.byte_len], s):
-                    ch.sendall(b)
-            for b in sender.seal():
-                ch.sendall(b)
-            while sender.receive_data(ch.recv(4096)) is None:
-                pass
+            send_sealed(ch, Sender(manifest_for(engine, position, rcfg.hmac_key_id, rcfg.minimum_hmac_epoch, 1), key), segs, big)
         elapsed = time.perf_counter() - t0
         t.join()
         ch.close()
@@ -190,6 +180,19 @@ def run_rate(engine, rcfg, pcfg, total: int) -> dict:
     sealed_gbs = nbytes / results["sealed"] / 1e9
     return {"payload_bytes": nbytes, "segments": len(segs), "raw_GBps": round(raw_gbs, 3),
             "sealed_GBps": round(sealed_gbs, 3), "ratio": round(sealed_gbs / raw_gbs, 3)}
+
+
+def send_sealed(ch, sender, segs, big) -> None:
+    """Begin, every segment (views of one big buffer), seal, then wait for the one ack."""
+    for b in sender.begin():
+        ch.sendall(b)
+    for s in segs:
+        for b in sender.send_segment(big[: s.byte_len], s):
+            ch.sendall(b)
+    for b in sender.seal():
+        ch.sendall(b)
+    while sender.receive_data(ch.recv(4096)) is None:
+        pass
 
 
 def run_overhead(engine, rcfg, pcfg, tmp: str, tokens: int) -> dict:
@@ -211,16 +214,7 @@ def run_overhead(engine, rcfg, pcfg, tmp: str, tokens: int) -> dict:
         waiter.start()
         time.sleep(0.2)
         ch = connect(pcfg.data_endpoint("decode-a"), "127.0.0.1", node.data_port)
-        sender = Sender(m, key)
-        for b in sender.begin():
-            ch.sendall(b)
-        for s in segs:
-            for b in sender.send_segment(big[: s.byte_len], s):
-                ch.sendall(b)
-        for b in sender.seal():
-            ch.sendall(b)
-        while sender.receive_data(ch.recv(4096)) is None:
-            pass
+        send_sealed(ch, Sender(m, key), segs, big)
         ch.close()
         waiter.join()
         d = box["out"]["durations_s"]
