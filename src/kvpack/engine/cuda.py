@@ -39,6 +39,7 @@ from typing import Any
 
 from ..errors import EngineError
 from ..format import constants as C
+from .transformers_adapter import _torch  # one lazy torch import for the engine side
 
 #: Bytes of the largest chunk object (header, max frame, AEAD tag, alignment pad).
 MAX_OBJECT_BYTES = C.MAX_CHUNK_OBJECT_BYTES
@@ -46,12 +47,6 @@ MAX_OBJECT_BYTES = C.MAX_CHUNK_OBJECT_BYTES
 MAX_PLAINTEXT_BYTES = C.MAX_CHUNK_PLAINTEXT
 
 
-def _torch():
-    try:
-        import torch
-    except ImportError as exc:  # pragma: no cover - install problem
-        raise EngineError("install", f"torch is not installed: {exc}") from exc
-    return torch
 
 
 def _is_cuda(device: Any) -> bool:
