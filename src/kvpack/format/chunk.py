@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from . import constants as C
 from .aead import chunk_data_key, open_sealed, seal
-from .codec import decode_frame, encode_frame
+from .codec import decode_frame, encode_frame, frame_header
 from .identity import chunk_content_id, chunk_object_key
 from .keys import KeySchedule
 from .objects import ChunkRef, Family, Span, StateKey
@@ -166,13 +166,17 @@ def encode_chunk(
     object_key = chunk_object_key(
         keys.object_identity, keys.tenant, family_digest, content_id, epoch, codec, codec_version, encrypted, salt, nonce, sidecar
     )
-    frame = encode_frame(codec, plaintext)
-    stored = len(frame) + (C.AEAD_TAG_BYTES if encrypted else 0)
+    # A raw unencrypted frame is written straight into the object below (one copy of the
+    # payload instead of two); every other frame is built first (encoded or sealed).
+    in_place = codec == C.CODEC_RAW and not encrypted
+    frame = None if in_place else encode_frame(codec, plaintext)
+    frame_len = C.CODEC_FRAME_HEADER_BYTES + n if in_place else len(frame)
+    stored = frame_len + (C.AEAD_TAG_BYTES if encrypted else 0)
     total = aligned_object_bytes(stored)
     if total > C.MAX_CHUNK_OBJECT_BYTES:
         raise fail("bounds", f"chunk: object {total} bytes exceeds the cap")
     obj = bytearray(total)
-    _FIXED.pack_into(obj, 8, 1, C.HEADER_BYTES, C.ALIGNMENT, 1 if encrypted else 0, codec, codec_version, n, len(frame), stored, total, epoch)
+    _FIXED.pack_into(obj, 8, 1, C.HEADER_BYTES, C.ALIGNMENT, 1 if encrypted else 0, codec, codec_version, n, frame_len, stored, total, epoch)
     obj[0:8] = C.MAGIC_CHUNK
     obj[48:80] = keys.tenant
     obj[80:112] = family_digest
@@ -189,7 +193,11 @@ def encode_chunk(
         data_key = chunk_data_key(keys.chunk_encryption, salt, content_id, object_key)
         obj[C.HEADER_BYTES : C.HEADER_BYTES + stored] = seal(data_key, nonce, frame, aad)
     else:
-        obj[C.HEADER_BYTES : C.HEADER_BYTES + stored] = frame
+        if in_place:
+            obj[C.HEADER_BYTES : C.HEADER_BYTES + C.CODEC_FRAME_HEADER_BYTES] = frame_header(codec, n)
+            obj[C.HEADER_BYTES + C.CODEC_FRAME_HEADER_BYTES : C.HEADER_BYTES + stored] = plaintext
+        else:
+            obj[C.HEADER_BYTES : C.HEADER_BYTES + stored] = frame
     out = bytes(obj)
     ref = ChunkRef(content_id, object_key, hashlib.sha256(out).digest(), epoch, n, total)
     return EncodedChunk(out, ref, content_id, object_key)

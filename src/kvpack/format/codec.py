@@ -21,7 +21,8 @@ _HDR = struct.Struct("<8sHHI")
 _MAGIC_BY_CODEC = {C.CODEC_RAW: C.MAGIC_RAW, C.CODEC_LOSSLESS: C.MAGIC_LOSSLESS}
 
 
-def _frame_header(codec: int, decoded: int) -> bytes:
+def frame_header(codec: int, decoded: int) -> bytes:
+    """The 16-byte frame header for ``decoded`` plaintext bytes."""
     return _HDR.pack(_MAGIC_BY_CODEC[codec], 1, 0, decoded)
 
 
@@ -108,7 +109,7 @@ def encode_frame(codec: int, plaintext: bytes | memoryview) -> bytes:
     if not 1 <= n <= C.MAX_CHUNK_PLAINTEXT:
         raise fail("bounds", f"frame plaintext {n} bytes outside 1..4 MiB")
     body = bytes(plaintext) if codec == C.CODEC_RAW else packbits_encode(plaintext)
-    return _frame_header(codec, n) + body
+    return frame_header(codec, n) + body
 
 
 def decode_frame(codec: int, frame: bytes | memoryview, expected: int) -> bytes | memoryview:
