@@ -21,6 +21,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=6)
     ap.add_argument("--workers", type=int, default=os.cpu_count())
     ap.add_argument("--store-dir", default=tempfile.mkdtemp())
+    ap.add_argument("--variants", action="store_true", help="also: GIL switch interval 0.5 ms, 8 and 12 workers, host verify")
     args = ap.parse_args()
     import torch
 
@@ -40,16 +41,34 @@ def main() -> None:
     store.workers = args.workers
     store.save(s)
     hit = store.find_deepest(tokens, engine.layout, engine.identity.ids())
-    times = []
     print("RESTORE-START", flush=True)
-    for _ in range(args.repeat):
-        r = engine.new_session()
-        t0 = time.perf_counter()
-        store.restore(hit, r, tokens)
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-        del r
-    print(json.dumps({"tokens": args.tokens, "restore_s": [round(t, 4) for t in times], "median_s": round(statistics.median(times), 4)}))
+
+    def measure(label: str, repeat: int) -> None:
+        times, phases = [], []
+        for _ in range(repeat):
+            r = engine.new_session()
+            t0 = time.perf_counter()
+            rep = store.restore(hit, r, tokens)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+            phases.append(rep.phases)
+            del r
+        mid = sorted(range(repeat), key=lambda i: times[i])[repeat // 2]
+        print(json.dumps({"variant": label, "tokens": args.tokens, "restore_s": [round(t, 4) for t in times], "median_s": round(statistics.median(times), 4),
+                          "phases": {k: round(v, 4) for k, v in phases[mid].items()}}), flush=True)
+
+    measure("default", args.repeat)
+    if args.variants:
+        old = sys.getswitchinterval()
+        sys.setswitchinterval(0.0005)
+        measure("switch_0.5ms", args.repeat)
+        sys.setswitchinterval(old)
+        for workers in (8, 12):
+            store.workers = workers
+            measure(f"workers_{workers}", args.repeat)
+        store.workers = args.workers
+        store.verify_on = "host"
+        measure("host_verify", args.repeat)
 
 
 if __name__ == "__main__":

@@ -53,6 +53,7 @@ def _roundtrip(tmp_path, eng, n, encrypted=False, staging="auto"):
     s.prefill(tokens)
     store = PackStore.init(os.path.join(tmp_path, "store"), encrypted=encrypted, chunk_bytes=64 * 1024)
     store.plane_staging = staging  # "auto": whole planes on CUDA; "never": per-chunk slots
+    store.verify_on = "host"  # these staging paths hash on the host (device hashing: test_device_verify)
     store.save(s)
     r = eng.new_session()
     hit = store.find_deepest(tokens, eng.layout, eng.ids())

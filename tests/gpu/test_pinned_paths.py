@@ -191,6 +191,37 @@ def test_staged_rows_must_be_flat_uint8_on_the_device(llama):
     inst.abort()
 
 
+def test_row_blocks_install_equals_row_by_row(llama):
+    """write_row_blocks (strided blocks, one copy) installs what write_rows would, and
+    refuses wrong shapes, dtypes, ranges and rows written twice."""
+    import torch
+
+    s = llama.new_session()
+    s.prefill(random_tokens(12, llama.layout.vocab_size))
+    row = llama.layout.layer(0).row_bytes
+    rows = s.export_rows_tensor(0, "k", 0, 12)  # flat uint8, token-major
+    # 3 blocks of 4 rows, spaced 1000 bytes apart in a larger buffer (as in wave slots)
+    spaced = torch.zeros(3 * (4 * row + 1000), dtype=torch.uint8)
+    for b in range(3):
+        spaced[b * (4 * row + 1000) : b * (4 * row + 1000) + 4 * row] = rows[b * 4 * row : (b + 1) * 4 * row]
+    blocks = spaced.as_strided((3, 4 * row), (4 * row + 1000, 1))
+    inst = s.begin_install(12, s.tokens, llama.identity)
+    with pytest.raises(EngineError):
+        inst.write_row_blocks(0, "k", 0, blocks.view(torch.int8))
+    with pytest.raises(EngineError):
+        inst.write_row_blocks(0, "k", 0, spaced[: 4 * row])  # 1-D
+    with pytest.raises(EngineError):
+        inst.write_row_blocks(0, "k", 4, blocks)  # rows 4..16 run past the cut
+    inst.write_row_blocks(0, "k", 0, blocks)
+    with pytest.raises(EngineError):
+        inst.write_rows(0, "k", 8, rows[: 4 * row])  # written twice
+    ref = s.begin_install(12, s.tokens, llama.identity)
+    ref.write_rows(0, "k", 0, rows)
+    assert torch.equal(inst._planes[(0, "k")], ref._planes[(0, "k")])
+    inst.abort()
+    ref.abort()
+
+
 def test_slot_rows_bounds():
     stager = cuda.RestoreStager("cpu", slots=1, host_bytes=64, device_bytes=32)
     slot = stager.acquire()

@@ -558,6 +558,20 @@ class DetachedInstall:
 
         return plane_stager(device)
 
+    def wave_ring(self, *, wave_chunks: int, waves: int, force: bool = False):
+        """Staging for a restore verified on the device (kvpack.engine.device_verify): on a
+        CUDA device whose GPU SHA-256 kernel compiles, or anywhere with ``force`` (on the
+        CPU the same pipeline then hashes with hashlib); otherwise ``None``."""
+        from .device_verify import unavailable_reason, wave_ring
+
+        device = self.session.engine.device
+        if device.type == "cuda":
+            if unavailable_reason(device) is not None:
+                return None
+        elif not force:
+            return None
+        return wave_ring(device, wave_chunks=wave_chunks, waves=waves)
+
     def write_rows(self, layer: int, role: str, start: int, data) -> None:
         """Copy token-major wire rows starting at absolute row ``start`` into the detached cache.
 
@@ -578,15 +592,7 @@ class DetachedInstall:
         else:
             view = memoryview(data).cast("B")
             nbytes = view.nbytes
-        if nbytes % spec.row_bytes:
-            raise EngineError("layout", f"{nbytes} bytes is not a whole number of {spec.row_bytes}-byte rows")
-        n = nbytes // spec.row_bytes
-        lo, hi = spec.retained_range(self.cut)
-        if start < lo or start + n > hi:
-            raise EngineError("layout", f"layer {layer} rows [{start}, {start + n}) outside the needed [{lo}, {hi})")
-        written = self._written[(layer, role)]
-        if written[start - lo : start - lo + n].any():
-            raise EngineError("install", f"layer {layer} {role}: rows written twice")
+        n = self._claim(spec, role, start, nbytes)
         if n == 0:
             return
         if staged:
@@ -597,9 +603,49 @@ class DetachedInstall:
                 warnings.simplefilter("ignore", UserWarning)
                 src = torch.frombuffer(view, dtype=self._torch_dtypes[spec.dtype], count=n * spec.row_elements)
         src = src.view(n, spec.kv_heads, spec.head_dim).transpose(0, 1)
+        lo = spec.retained_range(self.cut)[0]
         with torch.no_grad():
             self._planes[(layer, role)][0, :, start - lo : start - lo + n, :].copy_(src)
-        written[start - lo : start - lo + n] = True
+        self._written[(layer, role)][start - lo : start - lo + n] = True
+
+    def write_row_blocks(self, layer: int, role: str, start: int, blocks) -> None:
+        """Like :meth:`write_rows` for ``blocks``, a 2-D ``uint8`` tensor on the install's
+        device (``count`` blocks of equal size, any block stride): the blocks' rows are
+        consecutive from absolute row ``start``. One transposing copy for all of them (the
+        device-verify restore installs a wave's chunks of one plane this way)."""
+        torch = _torch()
+        self._check_open()
+        spec = self.layout.layer(layer)
+        self.layout.check_role(role)
+        plane = self._planes[(layer, role)]
+        if not isinstance(blocks, torch.Tensor) or blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.device != plane.device:
+            raise EngineError("layout", "row blocks must be a 2-D uint8 tensor on the install's device")
+        count, block_bytes = blocks.shape
+        if block_bytes % spec.row_bytes:
+            raise EngineError("layout", f"{block_bytes} bytes is not a whole number of {spec.row_bytes}-byte rows")
+        n = self._claim(spec, role, start, count * block_bytes)
+        if n == 0:
+            return
+        per = block_bytes // spec.row_bytes
+        src = blocks.view(self._torch_dtypes[spec.dtype]).view(count, per, spec.kv_heads, spec.head_dim).permute(2, 0, 1, 3)
+        lo = spec.retained_range(self.cut)[0]
+        with torch.no_grad():
+            plane[0, :, start - lo : start - lo + n, :].view(spec.kv_heads, count, per, spec.head_dim).copy_(src)
+        self._written[(layer, role)][start - lo : start - lo + n] = True
+
+    def _claim(self, spec, role: str, start: int, nbytes: int) -> int:
+        """Check that ``nbytes`` of rows from ``start`` fit the needed range and were not
+        written yet; returns the row count (the caller marks them written after copying)."""
+        if nbytes % spec.row_bytes:
+            raise EngineError("layout", f"{nbytes} bytes is not a whole number of {spec.row_bytes}-byte rows")
+        n = nbytes // spec.row_bytes
+        lo, hi = spec.retained_range(self.cut)
+        if start < lo or start + n > hi:
+            raise EngineError("layout", f"layer {spec.index} rows [{start}, {start + n}) outside the needed [{lo}, {hi})")
+        written = self._written[(spec.index, role)]
+        if written[start - lo : start - lo + n].any():
+            raise EngineError("install", f"layer {spec.index} {role}: rows written twice")
+        return n
 
     def write_logits(self, data) -> None:
         """The exact final-logits row at the cut (``vocab_size`` f32 LE values)."""

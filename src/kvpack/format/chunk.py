@@ -13,6 +13,7 @@ import struct
 from dataclasses import dataclass
 
 from . import constants as C
+from ..errors import FormatError
 from .aead import chunk_data_key, open_sealed, seal
 from .codec import decode_frame, encode_frame, frame_header
 from .identity import chunk_content_id, chunk_object_key
@@ -108,6 +109,18 @@ def _is_zero(data: bytes | memoryview) -> bool:
 
 def header_digest(header: bytes | bytearray) -> bytes:
     return digest_with_zeroed(header, _DIGEST_AT, C.HEADER_BYTES)
+
+
+@dataclass(frozen=True)
+class ExternalDigests:
+    """The two long hashes of a raw unencrypted chunk, computed outside this module.
+
+    ``object_digest`` is SHA-256 of the whole object; ``content_id`` is the content-ID HMAC
+    over the plaintext (``identity.chunk_content_prefix`` + plaintext) for the ref's key and
+    span. Both must come from the same bytes that are handed to :func:`decode_chunk`."""
+
+    object_digest: bytes
+    content_id: bytes
 
 
 @dataclass(frozen=True)
@@ -265,11 +278,18 @@ def decode_chunk(
     ``family_digest`` may be passed to avoid recomputing it per chunk.
     """
     h = _structural(obj)
-    length = len(obj)
-    if length != ref.object_bytes or h.plaintext_bytes != ref.plaintext_bytes or h.plaintext_bytes != span.plaintext_bytes:
-        raise fail("bounds", "chunk: size differs from its ref/span")
+    _check_ref_sizes(h, obj, ref, span)
     if hashlib.sha256(obj).digest() != ref.object_digest:
         raise fail("authentication", "chunk: object digest differs from the ref")
+    return _after_object_digest(obj, h, ref, span, tenant, family, key, keys, family_digest, defer_content=False)
+
+
+def _check_ref_sizes(h: ChunkHeader, obj, ref: ChunkRef, span: Span) -> None:
+    if len(obj) != ref.object_bytes or h.plaintext_bytes != ref.plaintext_bytes or h.plaintext_bytes != span.plaintext_bytes:
+        raise fail("bounds", "chunk: size differs from its ref/span")
+
+
+def _after_object_digest(obj, h: ChunkHeader, ref, span, tenant, family, key, keys, family_digest, *, defer_content: bool):
     if header_digest(bytes(obj[: C.HEADER_BYTES])) != h.header_digest:
         raise fail("authentication", "chunk: header digest mismatch")
     fam_digest = family_digest if family_digest is not None else family.digest()
@@ -279,7 +299,73 @@ def decode_chunk(
     if h.tenant != tenant or h.family_digest != fam_digest or h.key_epoch != ref.key_epoch:
         raise fail("authentication", "chunk: tenant/family/epoch binding mismatch")
     ks = _schedule(keys, ref.key_epoch)
-    return _open_and_check_content(obj, h, ks, fam_digest, ref, key, span)
+    return _open_and_check_content(obj, h, ks, fam_digest, ref, None if defer_content else key, span)
+
+
+@dataclass(frozen=True)
+class DeferredChunk:
+    """A raw unencrypted chunk whose every A.5 check has run except the two long hashes.
+
+    :meth:`finish` takes those hashes, computed elsewhere over the very bytes that were
+    checked here (kvpack.engine.gpu_digest hashes the device copy of this buffer), and
+    applies the remaining comparisons so that the first failure is the one
+    :func:`decode_chunk` would have raised: object digest (step 7), then any failure held
+    from steps 7-10, then the content ID (step 11)."""
+
+    object_digest: bytes
+    content_id: bytes
+    plaintext: memoryview | None
+    held: FormatError | None
+
+    def finish(self, digests: ExternalDigests) -> memoryview:
+        if digests.object_digest != self.object_digest:
+            raise fail("authentication", "chunk: object digest differs from the ref")
+        if self.held is not None:
+            raise self.held
+        if digests.content_id != self.content_id:
+            raise fail("authentication", "chunk: content id does not match the plaintext")
+        assert self.plaintext is not None
+        return self.plaintext
+
+
+def deferrable(obj: bytes | memoryview) -> bool:
+    """Whether :func:`decode_chunk_deferred` takes ``obj``: its header declares a raw,
+    unencrypted payload (anything else, malformed headers included, goes to
+    :func:`decode_chunk`)."""
+    if len(obj) < C.HEADER_BYTES or bytes(obj[0:8]) != C.MAGIC_CHUNK:
+        return False
+    try:
+        h = ChunkHeader.parse(obj)
+    except (FormatError, struct.error):
+        return False
+    return h.codec == C.CODEC_RAW and not h.encrypted
+
+
+def decode_chunk_deferred(
+    obj: bytes | memoryview,
+    *,
+    ref: ChunkRef,
+    span: Span,
+    tenant: bytes,
+    family: Family,
+    key: StateKey,
+    keys: Keys,
+    family_digest: bytes | None = None,
+) -> DeferredChunk:
+    """Run every check of :func:`decode_chunk` on a raw unencrypted chunk except the object
+    SHA-256 and the content-ID HMAC. Steps 1-6 raise here; failures of later steps are held
+    in the result (they may only be reported after the object digest, step 7). Raises
+    ValueError for a chunk :func:`deferrable` refuses."""
+    h = _structural(obj)
+    _check_ref_sizes(h, obj, ref, span)
+    if h.encrypted or h.codec != C.CODEC_RAW:
+        raise ValueError("only raw unencrypted chunks can be verified with external digests")
+    try:
+        plaintext = _after_object_digest(obj, h, ref, span, tenant, family, key, keys, family_digest, defer_content=True)
+        held = None
+    except FormatError as exc:
+        plaintext, held = None, exc
+    return DeferredChunk(ref.object_digest, h.content_id, plaintext, held)
 
 
 def _open_and_check_content(obj, h: ChunkHeader, ks: KeySchedule, fam_digest: bytes, ref: ChunkRef, key: StateKey | None, span: Span | None) -> bytes:

@@ -160,6 +160,37 @@ def token_root(prefix_key: bytes, context: bytes, tokens: Sequence[int] | np.nda
     return chain.token_root
 
 
+def chunk_content_prefix(
+    tenant: bytes,
+    family_digest: bytes,
+    layer: int,
+    name: str,
+    token_start: int,
+    token_count: int,
+    plaintext_offset: int,
+    plaintext_bytes: int,
+) -> bytes:
+    """The bytes the chunk content-ID HMAC reads before the plaintext (A.2).
+
+    Split out so that a verifier hashing the plaintext elsewhere (kvpack.engine.gpu_digest,
+    on the GPU) feeds exactly the message the CPU path feeds."""
+    name_b = name.encode("utf-8")
+    return b"".join(
+        (
+            C.D_CHUNK_CONTENT,
+            tenant,
+            family_digest,
+            u32(layer),
+            u16(len(name_b)),
+            name_b,
+            u64(token_start),
+            u64(token_count),
+            u64(plaintext_offset),
+            u32(plaintext_bytes),
+        )
+    )
+
+
 def chunk_content_id(
     chunk_identity_key: bytes,
     tenant: bytes,
@@ -171,21 +202,25 @@ def chunk_content_id(
     plaintext_offset: int,
     plaintext: bytes | memoryview,
 ) -> bytes:
-    name_b = name.encode("utf-8")
-    return _hmac(
-        chunk_identity_key,
-        C.D_CHUNK_CONTENT,
-        tenant,
-        family_digest,
-        u32(layer),
-        u16(len(name_b)),
-        name_b,
-        u64(token_start),
-        u64(token_count),
-        u64(plaintext_offset),
-        u32(len(plaintext)),
-        plaintext,
-    )
+    prefix = chunk_content_prefix(tenant, family_digest, layer, name, token_start, token_count, plaintext_offset, len(plaintext))
+    return _hmac(chunk_identity_key, prefix, plaintext)
+
+
+def hmac_sha256_pads(key: bytes) -> tuple[bytes, bytes]:
+    """The 64-byte inner and outer blocks of HMAC-SHA-256 (RFC 2104) for ``key``.
+
+    ``HMAC(key, m) == sha256(outer + sha256(inner + m).digest()).digest()``: the long inner
+    hash can then run anywhere that hashes plain SHA-256 (the GPU), and the 96-byte outer
+    hash is finished by :func:`hmac_sha256_finish`."""
+    if len(key) > 64:
+        key = hashlib.sha256(key).digest()
+    key = key.ljust(64, b"\0")
+    return bytes(b ^ 0x36 for b in key), bytes(b ^ 0x5C for b in key)
+
+
+def hmac_sha256_finish(outer_pad: bytes, inner_digest: bytes) -> bytes:
+    """The HMAC-SHA-256 value from the outer block and the inner hash's digest."""
+    return hashlib.sha256(outer_pad + inner_digest).digest()
 
 
 def chunk_object_key(

@@ -86,6 +86,8 @@ class RestoreReport:
     bytes_verified: int
     seconds: float
     phases: dict = field(default_factory=dict)
+    #: chunks whose object digest and content ID were computed on the "device" or "host"
+    hashed_on: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -115,6 +117,16 @@ class PackStore:
         self.workers = _workers()
         # restore staging by whole planes: "auto" on CUDA installs, "always" (tests), "never"
         self.plane_staging = "auto"
+        # where a restore's two long hashes run: "auto" (on the GPU when the install is on
+        # a CUDA device and the kernel compiles), "host", or "device" (forced; on a CPU
+        # install the same pipeline runs with hashlib, which is how CI tests it)
+        self.verify_on = os.environ.get("KVPACK_VERIFY_ON", "auto")
+        # device verify: waves in flight (each on its own stream; at most 8, the default
+        # number of hardware queues CUDA maps streams onto: more would serialise), the pinned
+        # + device staging they share, and (None: derived from both) objects per wave
+        self.device_waves = 8
+        self.device_staging_bytes = int(os.environ.get("KVPACK_DEVICE_STAGING_BYTES", str(4 << 30)))
+        self.wave_chunks: int | None = None
 
     # -- opening -----------------------------------------------------------------------------
     @classmethod
@@ -503,7 +515,7 @@ class PackStore:
             t_packs = time.perf_counter()
             install = session.begin_install(hit.cut, list(tokens[: hit.cut]), session.engine.identity)
             try:
-                verified, nbytes = self._install_chunks(chain, ctx, install, hit.cut)
+                verified, nbytes, hashed_on = self._install_chunks(chain, ctx, install, hit.cut)
                 t_chunks = time.perf_counter()
                 logits = self._read_logits(hit.manifest_id, top)
                 install.write_logits(logits)
@@ -516,10 +528,11 @@ class PackStore:
         t1 = time.perf_counter()
         return RestoreReport(
             hit.manifest_id.hex(), hit.cut, len(chain), verified, nbytes, t1 - t0,
-            {"packs_s": t_packs - t0, "chunks_s": t_chunks - t_packs, "logits_commit_s": t1 - t_chunks},
+            {"packs_s": t_packs - t0, "chunks_s": t_chunks - t_packs, "logits_commit_s": t1 - t_chunks, **self.__dict__.pop("_last_device_phases", {})},
+            hashed_on,
         )
 
-    def _install_chunks(self, chain: list[Manifest], ctx: _Context, install, cut: int) -> tuple[int, int]:
+    def _install_chunks(self, chain: list[Manifest], ctx: _Context, install, cut: int) -> tuple[int, int, dict]:
         jobs = []
         for manifest in chain:
             for key, span, ref in manifest.chunk_refs():
@@ -527,11 +540,16 @@ class PackStore:
                 a, b = max(span.token_start, lo), min(span.token_start + span.token_count, hi)
                 if a < b:  # spans wholly outside a windowed layer's window are not even read
                     jobs.append((manifest, key, span, ref, a, b))
+        if self.verify_on != "host" and hasattr(install, "wave_ring") and jobs:
+            capacity = self.wave_chunks or max(1, self.device_staging_bytes // (self.device_waves * C.MAX_CHUNK_OBJECT_BYTES))
+            ring = install.wave_ring(wave_chunks=capacity, waves=self.device_waves, force=self.verify_on == "device")
+            if ring is not None:
+                return self._install_device_verified(jobs, ctx, install, ring, self.device_waves)
         planes = None
         if hasattr(install, "plane_stager"):
             planes = install.plane_stager(force=self.plane_staging == "always") if self.plane_staging != "never" else None
         if planes is not None:
-            return self._install_planes(jobs, ctx, install, planes)
+            return (*self._install_planes(jobs, ctx, install, planes), {"host": len(jobs)})
         verified = nbytes = 0
         window = 2 * self.workers
         # On a CUDA install: chunk files are read into pinned slots, verified there and
@@ -568,7 +586,7 @@ class PackStore:
                     for fut, _job in pending:
                         if fut.exception() is None:
                             fut.result().release()
-        return verified, nbytes
+        return verified, nbytes, {"host": verified}
 
     def _install_planes(self, jobs: list, ctx: _Context, install, stager) -> tuple[int, int]:
         """Restore by whole planes (kvpack.engine.cuda.PlaneStager): workers read each chunk
@@ -644,6 +662,152 @@ class PackStore:
             for item in held:
                 stager.release(item)
         return verified, nbytes
+
+    def _install_device_verified(self, jobs: list, ctx: _Context, install, ring, waves: int) -> tuple[int, int, dict]:
+        """Restore with the two long hashes on the device (kvpack.engine.device_verify).
+
+        Workers read each object into its wave slot and run every other check of A.5 there
+        (``decode_chunk_deferred``); the wave's objects are uploaded whole and hashed on the
+        device; each chunk is installed from the hashed device copy only after
+        ``DeferredChunk.finish`` accepted its digests. A wave of ``wave_chunks`` objects is
+        in flight per ring entry; ``waves`` entries overlap reading, hashing and install."""
+        from ..engine.device_verify import SLOT_BYTES
+        from ..engine.gpu_digest import HEAD_BYTES
+        from ..format.chunk import ExternalDigests, decode_chunk_deferred, deferrable
+        from ..format.identity import chunk_content_prefix, hmac_sha256_finish, hmac_sha256_pads
+
+        inner_pad, outer_pad = hmac_sha256_pads(self.keys.chunk_identity)
+        verified = nbytes = 0
+        hashed_on = {"device": 0, "host": 0}
+        # where this thread's time goes (reported in RestoreReport.phases as device_*_s)
+        spent = {"device_wait_reads_s": 0.0, "device_launch_s": 0.0, "device_wait_hash_s": 0.0, "device_check_s": 0.0, "device_install_s": 0.0}
+
+        def read(job, wave, i: int):
+            """-> ("deferred", DeferredChunk, head) or ("host", None, None); raises on refusal."""
+            manifest, key, span, ref, a, b = job
+            region = wave.slot_view(i)
+            try:
+                with open(self.chunk_path(ref.content_id), "rb", buffering=0) as fh:
+                    n = 0
+                    while n < SLOT_BYTES:
+                        got = fh.readinto(region[n:])
+                        if not got:
+                            break
+                        n += got
+                    obj = region.tobytes() + fh.read() if n == SLOT_BYTES else region[:n]
+            except FileNotFoundError:
+                raise StoreError("incomplete", f"chunk {ref.content_id.hex()} is missing") from None
+            verify_args = dict(ref=ref, span=span, tenant=self.tenant, family=manifest.family, key=key, keys=self.keys, family_digest=ctx.family_digest)
+            if n < SLOT_BYTES and ref.key_epoch == self.epoch and deferrable(obj):
+                head = inner_pad + chunk_content_prefix(
+                    self.tenant, ctx.family_digest, key.layer, key.name, span.token_start, span.token_count, span.plaintext_offset, span.plaintext_bytes
+                )
+                if len(head) <= HEAD_BYTES:
+                    return "deferred", decode_chunk_deferred(obj, **verify_args), head
+            wave.place_plaintext(i, decode_chunk(obj, **verify_args))  # encrypted, lossless, odd
+            return "host", None, None
+
+        def finish(entry) -> None:
+            wave, wave_jobs, futs = entry
+            t0 = time.perf_counter()
+            results = [f.result() for f in futs]
+            t1 = time.perf_counter()
+            spent["device_wait_reads_s"] += t1 - t0
+            deferred = [(i, r) for i, r in enumerate(results) if r[0] == "deferred"]
+            wave.launch(
+                len(wave_jobs),
+                [(i, wave_jobs[i][3].object_bytes) for i, _ in deferred],
+                [(i, wave_jobs[i][2].plaintext_bytes, r[2]) for i, r in deferred],
+            )
+            entry_launched.append(entry)
+            spent["device_launch_s"] += time.perf_counter() - t1
+
+        def install_wave(entry) -> None:
+            nonlocal verified, nbytes
+            wave, wave_jobs, futs = entry
+            results = [f.result() for f in futs]
+            deferred = [i for i, r in enumerate(results) if r[0] == "deferred"]
+            hashed_on["device"] += len(deferred)
+            hashed_on["host"] += len(results) - len(deferred)
+            t0 = time.perf_counter()
+            digests = wave.digests()
+            m = len(deferred)
+            for k, i in enumerate(deferred):
+                results[i][1].finish(ExternalDigests(digests[k], hmac_sha256_finish(outer_pad, digests[m + k])))
+            t1 = time.perf_counter()
+            spent["device_check_s"] += t1 - t0
+            wave.order_installs()
+            i = 0
+            while i < len(wave_jobs):  # one copy per run of consecutive rows of one plane
+                _manifest, key, span, ref, a, b = wave_jobs[i]
+                row = ctx.layout.layer(key.layer).row_bytes
+                lo_byte, size = (a - span.token_start) * row, (b - a) * row
+                j, end = i + 1, b
+                while j < len(wave_jobs):
+                    _m, k2, s2, _r, a2, b2 = wave_jobs[j]
+                    if (k2.layer, k2.name) != (key.layer, key.name) or a2 != end or (a2 - s2.token_start) * row != lo_byte or (b2 - a2) * row != size:
+                        break
+                    end, j = b2, j + 1
+                if j - i == 1:
+                    install.write_rows(key.layer, key.name, a, wave.rows(i, lo_byte, size))
+                else:
+                    install.write_row_blocks(key.layer, key.name, a, wave.row_blocks(i, j - i, lo_byte, size))
+                for _m, _k, _s, r, _a, _b in wave_jobs[i:j]:
+                    verified += 1
+                    nbytes += r.object_bytes
+                i = j
+            spent["device_install_s"] += time.perf_counter() - t1
+
+        # spread the chunks over all the waves in flight (a small restore still overlaps its
+        # reads with its hashing), never more than a wave holds
+        per_wave = min(ring.wave_chunks, -(-len(jobs) // waves))
+        groups = [jobs[k : k + per_wave] for k in range(0, len(jobs), per_wave)]
+        reading: list = []  # (wave, jobs, futures): reads queued, in order
+        entry_launched: list = []  # hashes queued, in order
+        held: list = []
+
+        def pump() -> None:
+            """Queue the hashes of every wave whose reads are all done (never blocks)."""
+            while reading and all(f.done() for f in reading[0][2]):
+                finish(reading.pop(0))
+
+        def install_oldest() -> None:
+            if not entry_launched:
+                finish(reading.pop(0))  # waits for its reads
+            entry = entry_launched.pop(0)
+            t0 = time.perf_counter()
+            while not entry[0].hashed_ready():  # keep later waves hashing meanwhile
+                pump()
+                time.sleep(0.0002)
+            spent["device_wait_hash_s"] += time.perf_counter() - t0
+            install_wave(entry)
+            held.remove(entry[0])
+            entry[0].release()
+
+        try:
+            with ThreadPoolExecutor(self.workers) as pool:
+                try:
+                    for group in groups:
+                        pump()
+                        if len(held) >= waves:  # ring full: the oldest wave must be installed first
+                            install_oldest()
+                        wave = ring.acquire()
+                        held.append(wave)
+                        reading.append((wave, group, [pool.submit(read, job, wave, i) for i, job in enumerate(group)]))
+                    while reading or entry_launched:
+                        install_oldest()
+                except BaseException:
+                    for _wave, _jobs, futs in reading:
+                        for fut in futs:
+                            fut.cancel()
+                    raise
+        finally:
+            # the pool has shut down: no worker writes into these buffers any more
+            for wave in held:
+                wave.release()
+        self._last_device_phases = {k: round(v, 4) for k, v in spent.items()}
+        self._last_device_phases.update(device_waves=len(groups), device_ring=waves)
+        return verified, nbytes, hashed_on
 
     def _verify_chunk(self, manifest: Manifest, key, span, ref: ChunkRef, ctx: _Context, stager=None):
         """The verified plaintext of a chunk, or with a ``stager`` the staging slot holding it

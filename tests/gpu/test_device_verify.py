@@ -1,0 +1,258 @@
+"""Restores whose two long hashes run on the device (kvpack.engine.device_verify).
+
+On the CPU the pipeline is forced (``verify_on = "device"``) and hashes the *device copy*
+of each wave with hashlib through the job table's addresses: routing (raw chunks deferred,
+encrypted and lossless chunks decoded on the host), the wave ring, installing from the
+hashed copy, and every refusal are checked without a GPU. The kernel itself and the same
+pipeline on CUDA are checked in the ``requires_cuda`` tests at the end."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+
+import pytest
+
+from kvpack.engine import device_verify
+from kvpack.errors import StoreError
+from kvpack.store import PackStore
+
+from .conftest import cohere2_engine, llama_engine, random_tokens, requires_cuda
+
+
+def _store(tmp_path, encrypted=False, wave_chunks=5, waves=3, verify_on="device") -> PackStore:
+    store = PackStore.init(os.path.join(tmp_path, "s"), encrypted=encrypted, chunk_bytes=4096)
+    store.verify_on = verify_on
+    store.wave_chunks = wave_chunks
+    store.device_waves = waves
+    return store
+
+
+def _ring_idle(device, wave_chunks):
+    ring = device_verify.wave_ring(device, wave_chunks=wave_chunks, waves=1)
+    return ring._free.qsize() == ring.waves
+
+
+@pytest.mark.parametrize("model,encrypted", [("llama-f16", False), ("llama-bf16", True), ("llama-f32", False), ("cohere2", False)])
+def test_device_verified_restore_is_bit_identical(tmp_path, model, encrypted):
+    eng = cohere2_engine() if model == "cohere2" else llama_engine(model.split("-")[1])
+    tokens = random_tokens(640, eng.layout.vocab_size)
+    s = eng.new_session()
+    s.prefill(tokens)
+    store = _store(tmp_path, encrypted)
+    store.save(s)
+    r = eng.new_session()
+    hit = store.find_deepest(tokens, eng.layout, eng.ids())
+    report = store.restore(hit, r, tokens)
+    assert report.chunks_verified > 3 * store.wave_chunks  # the ring (3 waves) wrapped around
+    if encrypted:  # AEAD chunks are opened on the host; nothing is left for the device
+        assert report.hashed_on == {"device": 0, "host": report.chunks_verified}
+    elif model == "cohere2":  # windowed layers use the lossless codec (host), full ones raw
+        assert report.hashed_on["device"] > 0 and report.hashed_on["host"] > 0
+    else:
+        assert report.hashed_on == {"device": report.chunks_verified, "host": 0}
+    assert r.cache_digest() == s.cache_digest()
+    assert r.decode_greedy(4)[0] == s.decode_greedy(4)[0]
+    assert _ring_idle(eng.device, store.wave_chunks)
+
+
+def test_device_verified_delta_chain_restores(tmp_path):
+    eng = llama_engine("f16")
+    tokens = random_tokens(900, eng.layout.vocab_size, seed=3)
+    s = eng.new_session()
+    s.prefill(tokens[:512])
+    store = _store(tmp_path)
+    store.save(s)
+    s.prefill(tokens[512:])
+    store.save(s)  # a delta pack over the first cut
+    r = eng.new_session()
+    hit = store.find_deepest(tokens, eng.layout, eng.ids())
+    report = store.restore(hit, r, tokens)
+    assert report.packs == 2
+    assert report.hashed_on["device"] == report.chunks_verified
+    assert r.cache_digest() == s.cache_digest()
+
+
+def _victim(store, index=None):
+    d = os.path.join(store.path, "chunks")
+    names = sorted(os.listdir(d))
+    return os.path.join(d, names[len(names) // 2 if index is None else index])
+
+
+@pytest.mark.parametrize(
+    "where",
+    [
+        "payload",  # plaintext byte: object digest and content id both differ
+        "header_digest",  # header field covered by the object digest
+        "padding",  # a nonzero pad byte: refused by the host checks before any hashing
+        "truncate",  # the file is shorter than its ref
+        "missing",
+    ],
+)
+def test_device_verified_refusal_installs_nothing(tmp_path, where):
+    eng = llama_engine("f16")
+    tokens = random_tokens(512, eng.layout.vocab_size)
+    s = eng.new_session()
+    s.prefill(tokens)
+    store = _store(tmp_path)
+    store.save(s)
+    victim = _victim(store)
+    data = bytearray(open(victim, "rb").read())
+    if where == "payload":
+        data[4096 + 16 + 100] ^= 1
+    elif where == "header_digest":
+        data[210] ^= 0x40
+    elif where == "padding":
+        data[-1] ^= 1
+    if where == "missing":
+        os.unlink(victim)
+    elif where == "truncate":
+        open(victim, "wb").write(bytes(data[:4096]))
+    else:
+        open(victim, "wb").write(bytes(data))
+    r = eng.new_session()
+    r.prefill(tokens[:10])
+    before = r.cache_digest()
+    with pytest.raises(StoreError) as exc:
+        store.restore(store.find_deepest(tokens, eng.layout, eng.ids()), r, tokens)
+    assert exc.value.category == ("incomplete" if where == "missing" else "corrupt")
+    assert r.cache_digest() == before  # the live session is untouched
+    assert len(r.tokens) == 10
+    assert _ring_idle(eng.device, store.wave_chunks)
+
+
+def test_device_and_host_verification_agree_on_every_flipped_byte_class(tmp_path):
+    """The same damaged store is refused by both paths with the same underlying category
+    (sampled flips across header, frame header, plaintext and padding)."""
+    eng = llama_engine("f16")
+    tokens = random_tokens(300, eng.layout.vocab_size)
+    s = eng.new_session()
+    s.prefill(tokens)
+    store = _store(tmp_path)
+    store.save(s)
+    victim = _victim(store, 0)
+    pristine = open(victim, "rb").read()
+    rng = random.Random(7)
+    positions = [0, 9, 16, 20, 24, 28, 40, 50, 90, 120, 150, 180, 200, 230, 300, 4095, 4096, 4100, 4111, 4112, 5000]
+    positions += [rng.randrange(len(pristine)) for _ in range(6)] + [len(pristine) - 1]
+    for pos in positions:
+        data = bytearray(pristine)
+        data[pos] ^= 0x10
+        open(victim, "wb").write(bytes(data))
+        reasons = {}
+        for verify_on in ("host", "device"):
+            store.verify_on = verify_on
+            r = eng.new_session()
+            with pytest.raises(StoreError) as exc:
+                store.restore(store.find_deepest(tokens, eng.layout, eng.ids()), r, tokens)
+            reasons[verify_on] = str(exc.value)
+        assert reasons["host"] == reasons["device"], pos
+    open(victim, "wb").write(pristine)
+
+
+def test_hmac_split_matches_hmac():
+    import hmac
+
+    from kvpack.format.identity import hmac_sha256_finish, hmac_sha256_pads
+
+    rng = random.Random(1)
+    for klen in (0, 1, 32, 63, 64, 65, 200):
+        key = rng.randbytes(klen)
+        msg = rng.randbytes(rng.randrange(0, 3000))
+        inner, outer = hmac_sha256_pads(key)
+        assert hmac_sha256_finish(outer, hashlib.sha256(inner + msg).digest()) == hmac.new(key, msg, hashlib.sha256).digest()
+
+
+def test_host_job_hashing_reads_head_then_body():
+    import torch
+
+    body = torch.randint(0, 256, (5000,), dtype=torch.uint8)
+    head = torch.randint(0, 256, (70,), dtype=torch.uint8)
+    table = torch.tensor([[body.data_ptr() + 3, head.data_ptr(), 4000, 70], [body.data_ptr(), 0, 0, 0]], dtype=torch.int64)
+    got = device_verify.hash_jobs_on_host(table.numpy(), None, 2)
+    assert got[0] == hashlib.sha256(head.numpy().tobytes() + body.numpy()[3:4003].tobytes()).digest()
+    assert got[1] == hashlib.sha256(b"").digest()
+
+
+# -- on a GPU ----------------------------------------------------------------------------------
+
+
+@requires_cuda
+def test_gpu_sha256_matches_hashlib_on_every_length_class():
+    import torch
+
+    from kvpack.engine import gpu_digest
+
+    assert gpu_digest.available("cuda") is None
+    rng = random.Random(5)
+    buf = torch.randint(0, 256, (1 << 22,), dtype=torch.uint8, device="cuda")
+    host = buf.cpu().numpy().tobytes()
+    cases = []
+    for n in list(range(0, 200)) + [255, 256, 4095, 4096, 4097, 65536 + 13, (1 << 20) + 7]:
+        off = rng.randrange(0, 8)
+        hlen = rng.choice([0, 0, 1, 55, 56, 63, 64, 65, 130, 200, gpu_digest.HEAD_BYTES])
+        head = rng.randbytes(hlen)
+        cases.append((buf[off : off + n], head, head + host[off : off + n]))
+    got = gpu_digest.sha256_many([(b, h) for b, h, _ in cases], "cuda")
+    for (_b, _h, message), digest in zip(cases, got):
+        assert digest == hashlib.sha256(message).digest(), len(message)
+
+
+@requires_cuda
+def test_gpu_sha256_full_chunk_objects():
+    import torch
+
+    from kvpack.engine import gpu_digest
+
+    objs = torch.randint(0, 256, (8, device_verify.SLOT_BYTES), dtype=torch.uint8, device="cuda")
+    host = objs.cpu().numpy()
+    got = gpu_digest.sha256_many([(objs[i, : device_verify.SLOT_BYTES - 4096 * i], b"") for i in range(8)], "cuda")
+    for i in range(8):
+        assert got[i] == hashlib.sha256(host[i, : device_verify.SLOT_BYTES - 4096 * i].tobytes()).digest()
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", ["f16", "bf16", "f32"])
+def test_device_verified_restore_on_cuda_is_bit_identical(tmp_path, dtype):
+    import torch
+
+    eng = llama_engine(dtype, device="cuda")
+    tokens = random_tokens(1000, eng.layout.vocab_size)
+    s = eng.new_session()
+    s.prefill(tokens)
+    store = _store(tmp_path, verify_on="auto")
+    store.save(s)
+    r = eng.new_session()
+    report = store.restore(store.find_deepest(tokens, eng.layout, eng.ids()), r, tokens)
+    assert report.hashed_on == {"device": report.chunks_verified, "host": 0}
+    torch.cuda.synchronize()
+    for layer, role in eng.layout.states():
+        a, _ = s._plane(layer, role)
+        b, _ = r._plane(layer, role)
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (layer, role)
+    assert torch.equal(s.last_logits, r.last_logits)
+    assert r.decode_greedy(6)[0] == s.decode_greedy(6)[0]
+    assert _ring_idle(eng.device, store.wave_chunks)
+
+
+@requires_cuda
+def test_device_verified_refusal_on_cuda(tmp_path):
+    eng = llama_engine("f16", device="cuda")
+    tokens = random_tokens(512, eng.layout.vocab_size)
+    s = eng.new_session()
+    s.prefill(tokens)
+    store = _store(tmp_path, verify_on="auto")
+    store.save(s)
+    victim = _victim(store)
+    data = bytearray(open(victim, "rb").read())
+    data[4096 + 16 + 2000] ^= 0x80
+    open(victim, "wb").write(bytes(data))
+    r = eng.new_session()
+    r.prefill(tokens[:20])
+    before = r.cache_digest()
+    with pytest.raises(StoreError) as exc:
+        store.restore(store.find_deepest(tokens, eng.layout, eng.ids()), r, tokens)
+    assert "object digest" in str(exc.value)
+    assert r.cache_digest() == before
+    assert _ring_idle(eng.device, store.wave_chunks)
