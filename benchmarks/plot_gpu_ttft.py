@@ -24,8 +24,9 @@ def main(src: str, dst: str) -> None:
         ("recompute_engine_s", "recompute: engine prefill (256-token chunks)", "s-"),
         ("recompute_oneshot_s", "recompute: one forward over the prompt", "o-"),
         ("restore_cold_s", "restore from store, cold page cache (disk)", "v--"),
-        ("restore_warm_s", "restore from store, warm page cache", "^-"),
-        ("ceiling_s", "verification ceiling (2 hash passes, 16 threads + H2D)", "k:"),
+        ("restore_warm_s", "restore from store, warm, hashes on the GPU", "^-"),
+        ("restore_warm_host_verify_s", "restore from store, warm, hashes on 16 CPU threads", "d-"),
+        ("ceiling_s", "CPU verification ceiling (2 hash passes, 16 threads + H2D)", "k:"),
     ]
     for key, label, style in series:
         ax.plot(n, [r.get(key) for r in ttft], style, label=label)
