@@ -26,11 +26,17 @@ For each prompt length N (``--tokens``), one JSON line with:
   measured here from pinned memory; ``restore_over_ceiling`` = restore_warm_s / ceiling_s;
   ``verified_restore_over_hash_ceiling`` = hash-only ceiling time / chunk-phase time.
 
-Then ``--handoff`` (default on): one JSON line per stripe count for the sealed Handoff V2
-transfer of the real KV bytes of the ``--handoff-tokens`` prompt (4 MiB segments, deferred
-mode, every payload hashed twice on each side, HMAC seal, ack), over mTLS 1.3 loopback with
-pinned leaves, vs a raw TLS stream of the same bytes over the same kind of channel.
-``stripes`` > 1 splits the segments over that many connections, each its own transfer.
+Then (``--handoff-tokens``, default 32768): one JSON line per stripe count for the sealed
+Handoff V2 transfer of the real KV bytes of that prompt (4 MiB segments, deferred mode,
+every payload hashed twice on each side, HMAC seal, ack), over mTLS 1.3 loopback with pinned
+leaves, vs a raw TLS stream of the same bytes over the same kind of channel. ``stripes`` > 1
+splits the segments over that many connections, each its own transfer. With the default
+``--handoff-layout procs`` every stripe has its own sender and receiver process
+(benchmarks/bench_handoff_procs.py); ``threads`` runs them as threads of this process.
+
+The restore lines also carry the host-verify restore of the same cut
+(``restore_warm_host_verify_s``) and, on CUDA, the GPU path's stages timed alone
+(``stage_*``).
 """
 
 from __future__ import annotations
@@ -624,6 +630,22 @@ def bench_handoff(args, payload_info, out: str | None) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
 
 
+def bench_handoff_processes(args, payload_info, out: str | None) -> None:
+    """The sealed handoff of the real KV bytes with one sender and one receiver process per
+    stripe (benchmarks/bench_handoff_procs.py): the payload goes to a /dev/shm file that
+    every process maps; the segments are the same (offset, size) pieces as the threaded run."""
+    import bench_handoff_procs
+
+    payload, segs, _elements, _etype = payload_info
+    fd, path = tempfile.mkstemp(prefix="kvpack-kv-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(payload)
+        bench_handoff_procs.run(path, [(off, nbytes) for *_rest, off, nbytes in segs], args.stripes, max(s[5] for s in segs), out)
+    finally:
+        os.unlink(path)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", default="8192,32768,131072")
@@ -644,7 +666,13 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-oneshot", action="store_true")
     ap.add_argument("--handoff-tokens", type=int, default=32768, help="prompt whose KV bytes the handoff moves (0: skip)")
     ap.add_argument("--segment-tokens", type=int, default=2048, help="handoff segment size in tokens")
-    ap.add_argument("--stripes", default="1,4,8")
+    ap.add_argument("--stripes", default="1,2,4,8")
+    ap.add_argument(
+        "--handoff-layout",
+        default="procs",
+        choices=["procs", "threads"],
+        help="procs: one sender and one receiver process per stripe (bench_handoff_procs, over the real KV bytes in /dev/shm); threads: every stripe a thread pair in this process",
+    )
     ap.add_argument("--out", default=None, help="also append the JSON lines to this file")
     args = ap.parse_args(argv)
     args.tokens = [int(x) for x in args.tokens.split(",") if x]
@@ -702,7 +730,10 @@ def main(argv=None) -> int:
         line, payload = bench_length(args, torch, engine, n, args.workers, h2d, d2h, keep_payload=want)
         _emit(line, args.out)
         if payload is not None:  # right away: a later, longer prompt may run out of time
-            bench_handoff(args, payload, args.out)
+            if args.handoff_layout == "procs":
+                bench_handoff_processes(args, payload, args.out)
+            else:
+                bench_handoff(args, payload, args.out)
             del payload
             gc.collect()
     return 0
