@@ -21,6 +21,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=6)
     ap.add_argument("--workers", type=int, default=os.cpu_count())
     ap.add_argument("--store-dir", default=tempfile.mkdtemp())
+    ap.add_argument("--tails", default="", help="also restore with these device_host_tail values (comma list)")
     ap.add_argument("--variants", action="store_true", help="also: GIL switch interval 0.5 ms, 8 and 12 workers, host verify")
     args = ap.parse_args()
     import torch
@@ -58,6 +59,11 @@ def main() -> None:
                           "phases": {k: round(v, 4) for k, v in phases[mid].items()}}), flush=True)
 
     measure("default", args.repeat)
+    if args.tails:
+        for tail in [int(x) for x in args.tails.split(",")]:
+            store.device_host_tail = tail
+            measure(f"host_tail_{tail}", args.repeat)
+        store.device_host_tail = None
     if args.variants:
         old = sys.getswitchinterval()
         sys.setswitchinterval(0.0005)

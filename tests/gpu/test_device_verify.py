@@ -57,6 +57,25 @@ def test_device_verified_restore_is_bit_identical(tmp_path, model, encrypted):
     assert _ring_idle(eng.device, store.wave_chunks)
 
 
+@pytest.mark.parametrize("tail", [1, 7, 10_000])
+def test_device_verify_hands_the_tail_to_the_host(tmp_path, tail):
+    """The last ``device_host_tail`` chunks are verified completely on the host (their raw
+    plaintext stays in its slot), the rest by the device pipeline; the result is identical."""
+    eng = llama_engine("f16")
+    tokens = random_tokens(640, eng.layout.vocab_size)
+    s = eng.new_session()
+    s.prefill(tokens)
+    store = _store(tmp_path)
+    store.device_host_tail = tail
+    store.save(s)
+    r = eng.new_session()
+    report = store.restore(store.find_deepest(tokens, eng.layout, eng.ids()), r, tokens)
+    host = min(tail, report.chunks_verified)
+    assert report.hashed_on == {"device": report.chunks_verified - host, "host": host}
+    assert r.cache_digest() == s.cache_digest()
+    assert _ring_idle(eng.device, store.wave_chunks)
+
+
 def test_device_verified_delta_chain_restores(tmp_path):
     eng = llama_engine("f16")
     tokens = random_tokens(900, eng.layout.vocab_size, seed=3)
@@ -90,12 +109,14 @@ def _victim(store, index=None):
         "missing",
     ],
 )
-def test_device_verified_refusal_installs_nothing(tmp_path, where):
+@pytest.mark.parametrize("tail", [None, 10_000], ids=["device", "host-tail"])
+def test_device_verified_refusal_installs_nothing(tmp_path, where, tail):
     eng = llama_engine("f16")
     tokens = random_tokens(512, eng.layout.vocab_size)
     s = eng.new_session()
     s.prefill(tokens)
     store = _store(tmp_path)
+    store.device_host_tail = tail
     store.save(s)
     victim = _victim(store)
     data = bytearray(open(victim, "rb").read())
@@ -200,6 +221,18 @@ def test_gpu_sha256_matches_hashlib_on_every_length_class():
 
 
 @requires_cuda
+def test_host_tail_is_calibrated_from_the_kernel_latency():
+    from kvpack.engine import gpu_digest
+    from kvpack.format import constants as C
+
+    ring = device_verify.wave_ring("cuda", wave_chunks=5, waves=1)
+    latency = gpu_digest.message_latency("cuda", C.MAX_CHUNK_OBJECT_BYTES)
+    assert 0 < latency < 5
+    tail = device_verify.host_tail_chunks(ring, 16, C.MAX_CHUNK_OBJECT_BYTES)
+    assert tail == int(latency * 16 / (2 * C.MAX_CHUNK_OBJECT_BYTES / device_verify.host_sha256_rate()))
+
+
+@requires_cuda
 def test_gpu_sha256_full_chunk_objects():
     import torch
 
@@ -213,8 +246,9 @@ def test_gpu_sha256_full_chunk_objects():
 
 
 @requires_cuda
+@pytest.mark.parametrize("tail", [0, None], ids=["all-device", "calibrated-host-tail"])
 @pytest.mark.parametrize("dtype", ["f16", "bf16", "f32"])
-def test_device_verified_restore_on_cuda_is_bit_identical(tmp_path, dtype):
+def test_device_verified_restore_on_cuda_is_bit_identical(tmp_path, dtype, tail):
     import torch
 
     eng = llama_engine(dtype, device="cuda")
@@ -222,10 +256,13 @@ def test_device_verified_restore_on_cuda_is_bit_identical(tmp_path, dtype):
     s = eng.new_session()
     s.prefill(tokens)
     store = _store(tmp_path, verify_on="auto")
+    store.device_host_tail = tail
     store.save(s)
     r = eng.new_session()
     report = store.restore(store.find_deepest(tokens, eng.layout, eng.ids()), r, tokens)
-    assert report.hashed_on == {"device": report.chunks_verified, "host": 0}
+    assert sum(report.hashed_on.values()) == report.chunks_verified
+    if tail == 0:
+        assert report.hashed_on == {"device": report.chunks_verified, "host": 0}
     torch.cuda.synchronize()
     for layer, role in eng.layout.states():
         a, _ = s._plane(layer, role)
@@ -243,6 +280,7 @@ def test_device_verified_refusal_on_cuda(tmp_path):
     s = eng.new_session()
     s.prefill(tokens)
     store = _store(tmp_path, verify_on="auto")
+    store.device_host_tail = 0
     store.save(s)
     victim = _victim(store)
     data = bytearray(open(victim, "rb").read())

@@ -100,6 +100,8 @@ class Wave:
 
         arr = np.frombuffer(plaintext, dtype=np.uint8)
         lo = i * SLOT_BYTES + PLAINTEXT_OFFSET
+        if arr.size and arr.ctypes.data == self.host_np.ctypes.data + lo:
+            return  # a raw chunk verified in its slot: its plaintext is already there
         self.host_np[lo : lo + arr.size] = arr
 
     # -- step 2: upload and hashing ----------------------------------------------------------
@@ -233,6 +235,33 @@ def wave_ring(device: Any, *, wave_chunks: int, waves: int) -> WaveRing:
     return ring
 
 
+_host_rate: list[float] = []
+
+
+def host_sha256_rate() -> float:
+    """Bytes per second one thread hashes with hashlib (measured once, over 4 MiB)."""
+    if not _host_rate:
+        import time
+
+        data = bytes(4 << 20)
+        hashlib.sha256(data[:4096]).digest()
+        t0 = time.perf_counter()
+        hashlib.sha256(data).digest()
+        _host_rate.append(len(data) / max(time.perf_counter() - t0, 1e-6))
+    return _host_rate[0]
+
+
+def host_tail_chunks(ring: "WaveRing", workers: int, chunk_bytes: int) -> int:
+    """How many chunks the host threads can verify completely (two hash passes each) in
+    the time the device needs to hash one wave after its upload: giving the restore's
+    last chunks to the host hides the kernel's latency behind them."""
+    if not ring.cuda or chunk_bytes <= 0:
+        return 0
+    latency = gpu_digest.message_latency(ring.device, chunk_bytes)
+    per_chunk = 2 * chunk_bytes / host_sha256_rate()
+    return int(latency * max(workers, 1) / per_chunk)
+
+
 def unavailable_reason(device: Any) -> str | None:
     """``None`` if restores on ``device`` can verify on it, else why not."""
     torch = _torch()
@@ -241,4 +270,4 @@ def unavailable_reason(device: Any) -> str | None:
     return gpu_digest.available(device)
 
 
-__all__ = ["PLAINTEXT_OFFSET", "SLOT_BYTES", "Wave", "WaveRing", "hash_jobs_on_host", "unavailable_reason", "wave_ring"]
+__all__ = ["PLAINTEXT_OFFSET", "SLOT_BYTES", "Wave", "WaveRing", "hash_jobs_on_host", "host_sha256_rate", "host_tail_chunks", "unavailable_reason", "wave_ring"]

@@ -191,6 +191,32 @@ def launch(jobs, out, count: int, stream=None) -> None:
     kernel(grid=(blocks, 1, 1), block=(THREADS_PER_BLOCK, 1, 1), args=[jobs, out, int(count)], stream=stream)
 
 
+_latency: dict[tuple[int, int], float] = {}
+
+
+def message_latency(device: Any, nbytes: int) -> float:
+    """Seconds one launch takes to hash one ``nbytes`` message on ``device`` (measured once
+    per device and size, then cached). A launch of many messages takes about as long as its
+    longest one, so this is what a wave of chunk objects costs after its last upload."""
+    torch = _torch()
+    index = torch.device(device).index
+    index = torch.cuda.current_device() if index is None else index
+    key = (index, nbytes)
+    if key not in _latency:
+        with torch.cuda.device(index):
+            buf = torch.zeros(nbytes, dtype=torch.uint8, device=f"cuda:{index}")
+            table = torch.tensor([[buf.data_ptr(), 0, nbytes, 0]], dtype=torch.int64, device=f"cuda:{index}")
+            out = torch.empty((1, 8), dtype=torch.int32, device=f"cuda:{index}")
+            launch(table, out, 1)  # compile and load
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            launch(table, out, 1)
+            end.record()
+            end.synchronize()
+            _latency[key] = start.elapsed_time(end) / 1e3
+    return _latency[key]
+
+
 def digest_bytes(words) -> bytes:
     """The 32-byte digest from the 8 state words the kernel wrote (a numpy row of uint32)."""
     import numpy as np
@@ -222,4 +248,4 @@ def sha256_many(messages: list[tuple[Any, bytes]], device: Any) -> list[bytes]:
     return [digest_bytes(words[i]) for i in range(n)]
 
 
-__all__ = ["HEAD_BYTES", "THREADS_PER_BLOCK", "available", "digest_bytes", "launch", "sha256_many"]
+__all__ = ["HEAD_BYTES", "THREADS_PER_BLOCK", "available", "digest_bytes", "launch", "message_latency", "sha256_many"]

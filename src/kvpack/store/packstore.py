@@ -127,6 +127,9 @@ class PackStore:
         self.device_waves = 8
         self.device_staging_bytes = int(os.environ.get("KVPACK_DEVICE_STAGING_BYTES", str(4 << 30)))
         self.wave_chunks: int | None = None
+        # device verify: the last chunks of a restore are hashed on the host while the device
+        # hashes the rest (None: as many as the workers verify in one kernel latency)
+        self.device_host_tail: int | None = None
 
     # -- opening -----------------------------------------------------------------------------
     @classmethod
@@ -671,7 +674,7 @@ class PackStore:
         device; each chunk is installed from the hashed device copy only after
         ``DeferredChunk.finish`` accepted its digests. A wave of ``wave_chunks`` objects is
         in flight per ring entry; ``waves`` entries overlap reading, hashing and install."""
-        from ..engine.device_verify import SLOT_BYTES
+        from ..engine.device_verify import SLOT_BYTES, host_tail_chunks
         from ..engine.gpu_digest import HEAD_BYTES
         from ..format.chunk import ExternalDigests, decode_chunk_deferred, deferrable
         from ..format.identity import chunk_content_prefix, hmac_sha256_finish, hmac_sha256_pads
@@ -682,8 +685,14 @@ class PackStore:
         # where this thread's time goes (reported in RestoreReport.phases as device_*_s)
         spent = {"device_wait_reads_s": 0.0, "device_launch_s": 0.0, "device_wait_hash_s": 0.0, "device_check_s": 0.0, "device_install_s": 0.0}
 
-        def read(job, wave, i: int):
-            """-> ("deferred", DeferredChunk, head) or ("host", None, None); raises on refusal."""
+        tail = self.device_host_tail
+        if tail is None:
+            tail = host_tail_chunks(ring, self.workers, max(job[3].object_bytes for job in jobs))
+        first_host = len(jobs) - min(tail, len(jobs))
+
+        def read(job, wave, i: int, on_host: bool):
+            """-> ("deferred", DeferredChunk, head) or ("host", None, None); raises on refusal.
+            ``on_host``: verify completely here (the restore's tail, see ``device_host_tail``)."""
             manifest, key, span, ref, a, b = job
             region = wave.slot_view(i)
             try:
@@ -698,13 +707,14 @@ class PackStore:
             except FileNotFoundError:
                 raise StoreError("incomplete", f"chunk {ref.content_id.hex()} is missing") from None
             verify_args = dict(ref=ref, span=span, tenant=self.tenant, family=manifest.family, key=key, keys=self.keys, family_digest=ctx.family_digest)
-            if n < SLOT_BYTES and ref.key_epoch == self.epoch and deferrable(obj):
+            if not on_host and n < SLOT_BYTES and ref.key_epoch == self.epoch and deferrable(obj):
                 head = inner_pad + chunk_content_prefix(
                     self.tenant, ctx.family_digest, key.layer, key.name, span.token_start, span.token_count, span.plaintext_offset, span.plaintext_bytes
                 )
                 if len(head) <= HEAD_BYTES:
                     return "deferred", decode_chunk_deferred(obj, **verify_args), head
-            wave.place_plaintext(i, decode_chunk(obj, **verify_args))  # encrypted, lossless, odd
+            plaintext = decode_chunk(obj, **verify_args)  # encrypted, lossless, odd, or the tail
+            wave.place_plaintext(i, plaintext)  # a raw plaintext is already in place: no copy
             return "host", None, None
 
         def finish(entry) -> None:
@@ -761,7 +771,8 @@ class PackStore:
         # spread the chunks over all the waves in flight (a small restore still overlaps its
         # reads with its hashing), never more than a wave holds
         per_wave = min(ring.wave_chunks, -(-len(jobs) // waves))
-        groups = [jobs[k : k + per_wave] for k in range(0, len(jobs), per_wave)]
+        starts = list(range(0, len(jobs), per_wave))
+        groups = [jobs[k : k + per_wave] for k in starts]
         reading: list = []  # (wave, jobs, futures): reads queued, in order
         entry_launched: list = []  # hashes queued, in order
         held: list = []
@@ -787,13 +798,13 @@ class PackStore:
         try:
             with ThreadPoolExecutor(self.workers) as pool:
                 try:
-                    for group in groups:
+                    for start, group in zip(starts, groups):
                         pump()
                         if len(held) >= waves:  # ring full: the oldest wave must be installed first
                             install_oldest()
                         wave = ring.acquire()
                         held.append(wave)
-                        reading.append((wave, group, [pool.submit(read, job, wave, i) for i, job in enumerate(group)]))
+                        reading.append((wave, group, [pool.submit(read, job, wave, i, start + i >= first_host) for i, job in enumerate(group)]))
                     while reading or entry_launched:
                         install_oldest()
                 except BaseException:
