@@ -127,9 +127,10 @@ class PackStore:
         self.device_waves = 8
         self.device_staging_bytes = int(os.environ.get("KVPACK_DEVICE_STAGING_BYTES", str(4 << 30)))
         self.wave_chunks: int | None = None
-        # device verify: the last chunks of a restore are hashed on the host while the device
-        # hashes the rest (None: as many as the workers verify in one kernel latency)
-        self.device_host_tail: int | None = None
+        # device verify: how many of a restore's last chunks the host threads verify while the
+        # device hashes the rest; None = as many as the workers verify in one kernel latency.
+        # Off by default: on the H200 it helped some runs and not others (docs/benchmarks.md)
+        self.device_host_tail: int | None = 0
 
     # -- opening -----------------------------------------------------------------------------
     @classmethod
