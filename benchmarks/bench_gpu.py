@@ -58,7 +58,9 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from handoff_doubles import KEY, CountingSink, MemoryLedger  # benchmarks/ is on sys.path when run as a script
+import bench_handoff_procs  # benchmarks/ is on sys.path when run as a script
+from bench_handoff_procs import make_pki
+from handoff_doubles import KEY, CountingSink, MemoryLedger
 
 
 def _emit(line: dict, out: str | None) -> None:
@@ -411,7 +413,7 @@ def bench_length(args, torch, engine, n: int, workers: int, h2d_gbps: float, d2h
         line["speedup_vs_best_recompute_cold"] = round(rec / line["restore_cold_s"], 2)
     line["speedup_vs_engine_recompute_warm"] = round(line["recompute_engine_s"] / line["restore_warm_s"], 2)
     line.update(workers=workers, h2d_gbps=round(h2d_gbps, 2), d2h_gbps=round(d2h_gbps, 2), store_dir=args.store_dir)
-    del s
+    s = None  # drop the live cache before the next length
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -420,27 +422,6 @@ def bench_length(args, torch, engine, n: int, workers: int, h2d_gbps: float, d2h
 
 
 # -- handoff over mTLS -------------------------------------------------------------------------
-
-
-def make_pki(root: str):
-    from kvpack.durable import atomic_write
-    from kvpack.security import enroll as pki
-    from kvpack.security.tls import DATA_ALPN, TlsEndpoint
-
-    ca_key, ca_cert = pki.make_ca("bench CA")
-    ca_path = os.path.join(root, "ca.crt")
-    atomic_write(ca_path, pki.cert_pem(ca_cert), mode=0o644)
-    leaves = {}
-    for name in ("producer", "receiver"):
-        key = pki.generate_key()
-        cert = pki.issue_leaf(ca_key, ca_cert, pki.make_csr(key, name), [name, *pki.LOOPBACK_SANS])
-        kp, cp = os.path.join(root, f"{name}.key"), os.path.join(root, f"{name}.crt")
-        atomic_write(kp, pki.key_pem(key), mode=0o600)
-        atomic_write(cp, pki.cert_pem(cert), mode=0o644)
-        leaves[name] = (cp, kp, pki.cert_sha256(cert))
-    server = TlsEndpoint(leaves["receiver"][0], leaves["receiver"][1], ca_path, frozenset([leaves["producer"][2]]), DATA_ALPN, None)
-    client = TlsEndpoint(leaves["producer"][0], leaves["producer"][1], ca_path, frozenset([leaves["receiver"][2]]), DATA_ALPN, "localhost")
-    return server, client
 
 
 def open_pairs(server_ep, client_ep, count: int):
@@ -463,17 +444,7 @@ def open_pairs(server_ep, client_ep, count: int):
 
 
 def _manifest(tid: str, position: int):
-    from kvpack.handoff.manifest import PROTOCOL, BeginManifestV2, ComponentV2, ExactIdentityV1, HmacRef
-
-    created = int(time.time() * 1000)
-    identity = ExactIdentityV1("a" * 64, "b" * 64, "c" * 64, "m", "d" * 64, "t", "e" * 64)
-    return BeginManifestV2(
-        protocol=PROTOCOL, transfer_id=tid, generation=1, created_unix_ms=created, expires_unix_ms=created + 900_000,
-        identity=identity, prompt_token_ids=tuple(i % 50_000 for i in range(position)), multimodal=None,
-        hmac=HmacRef("bench", 1), components=(ComponentV2("target", "target_kv", True, "f" * 64),), deferred_segments=True,
-    )
-
-
+    return bench_handoff_procs._manifest(tid, position, int(time.time() * 1000))
 
 
 def sealed_stripe(pair, segs, payload, position: int, elements: int, etype: str, tid: str) -> int:
@@ -584,7 +555,7 @@ def bench_handoff(args, payload_info, out: str | None) -> None:
             pairs = open_pairs(server_ep, client_ep, stripes)
             errors: list = []
 
-            def run(i):
+            def run(i, kind=kind, pairs=pairs, groups=groups, stripes=stripes, errors=errors):
                 try:
                     if kind == "sealed":
                         sealed_stripe(pairs[i], groups[i], payload, position, elements, etype, f"bench-{stripes}-{i}")
@@ -634,8 +605,6 @@ def bench_handoff_processes(args, payload_info, out: str | None) -> None:
     """The sealed handoff of the real KV bytes with one sender and one receiver process per
     stripe (benchmarks/bench_handoff_procs.py): the payload goes to a /dev/shm file that
     every process maps; the segments are the same (offset, size) pieces as the threaded run."""
-    import bench_handoff_procs
-
     payload, segs, _elements, _etype = payload_info
     fd, path = tempfile.mkstemp(prefix="kvpack-kv-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     try:

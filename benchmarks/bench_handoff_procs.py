@@ -128,7 +128,7 @@ def segment_intents(segments: list[tuple[int, int]], elements: int = ELEMENTS, l
     return out, max(cursor)
 
 
-# -- PKI (as bench_gpu.make_pki) ------------------------------------------------------------------
+# -- PKI (also used by bench_gpu) ------------------------------------------------------------------
 
 
 def make_pki(root: str):

@@ -609,19 +609,7 @@ class PackStore:
 
         def verify_into(job, item, view, slot: int, dev, lo: int, row: int) -> int:
             manifest, key, span, ref, a, b = job
-            region = memoryview(view)[slot * SLOT_BYTES : (slot + 1) * SLOT_BYTES]
-            try:
-                with open(self.chunk_path(ref.content_id), "rb", buffering=0) as fh:
-                    n = 0
-                    while n < SLOT_BYTES:
-                        got = fh.readinto(region[n:])
-                        if not got:
-                            break
-                        n += got
-                    # larger than any chunk object: read it all, the decoder refuses it
-                    obj = region.tobytes() + fh.read() if n == SLOT_BYTES else region[:n]
-            except FileNotFoundError:
-                raise StoreError("incomplete", f"chunk {ref.content_id.hex()} is missing") from None
+            obj, _n = self._read_chunk_into(ref, memoryview(view)[slot * SLOT_BYTES : (slot + 1) * SLOT_BYTES])
             plaintext = decode_chunk(obj, ref=ref, span=span, tenant=self.tenant, family=manifest.family, key=key, keys=self.keys, family_digest=ctx.family_digest)
             stager.copy_rows(item, plaintext, (a - span.token_start) * row, (b - a) * row, dev, (a - lo) * row)
             return ref.object_bytes
@@ -695,18 +683,7 @@ class PackStore:
             """-> ("deferred", DeferredChunk, head) or ("host", None, None); raises on refusal.
             ``on_host``: verify completely here (the restore's tail, see ``device_host_tail``)."""
             manifest, key, span, ref, a, b = job
-            region = wave.slot_view(i)
-            try:
-                with open(self.chunk_path(ref.content_id), "rb", buffering=0) as fh:
-                    n = 0
-                    while n < SLOT_BYTES:
-                        got = fh.readinto(region[n:])
-                        if not got:
-                            break
-                        n += got
-                    obj = region.tobytes() + fh.read() if n == SLOT_BYTES else region[:n]
-            except FileNotFoundError:
-                raise StoreError("incomplete", f"chunk {ref.content_id.hex()} is missing") from None
+            obj, n = self._read_chunk_into(ref, wave.slot_view(i))
             verify_args = dict(ref=ref, span=span, tenant=self.tenant, family=manifest.family, key=key, keys=self.keys, family_digest=ctx.family_digest)
             if not on_host and n < SLOT_BYTES and ref.key_epoch == self.epoch and deferrable(obj):
                 head = inner_pad + chunk_content_prefix(
@@ -820,6 +797,24 @@ class PackStore:
         self._last_device_phases = {k: round(v, 4) for k, v in spent.items()}
         self._last_device_phases.update(device_waves=len(groups), device_ring=waves)
         return verified, nbytes, hashed_on
+
+    def _read_chunk_into(self, ref: ChunkRef, region: memoryview) -> tuple[bytes | memoryview, int]:
+        """Read a chunk object file into ``region`` (a staging slot as large as the largest
+        chunk object). Returns the object (a view of the slot) and its length; a file larger
+        than the slot is returned whole as bytes, for the decoder to refuse."""
+        try:
+            with open(self.chunk_path(ref.content_id), "rb", buffering=0) as fh:
+                n = 0
+                while n < len(region):
+                    got = fh.readinto(region[n:])
+                    if not got:
+                        break
+                    n += got
+                if n == len(region):
+                    return region.tobytes() + fh.read(), n
+                return region[:n], n
+        except FileNotFoundError:
+            raise StoreError("incomplete", f"chunk {ref.content_id.hex()} is missing") from None
 
     def _verify_chunk(self, manifest: Manifest, key, span, ref: ChunkRef, ctx: _Context, stager=None):
         """The verified plaintext of a chunk, or with a ``stager`` the staging slot holding it
