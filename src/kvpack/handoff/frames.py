@@ -202,6 +202,16 @@ class FrameDecoder:
         return out
 
     @property
+    def payload_progress(self) -> Optional[tuple[memoryview, int]]:
+        """``(payload buffer, bytes filled)`` while a payload is being read, else None.
+
+        Lets a driver act on the payload bytes already in (the receiver hashes them while
+        the rest arrives); the view is the buffer :meth:`wanted` hands out slices of."""
+        if self._phase != "payload":
+            return None
+        return self._view, self._filled
+
+    @property
     def at_boundary(self) -> bool:
         """True when no partial frame is buffered (a clean place for the stream to end)."""
         return self._phase == "preamble" and self._filled == 0

@@ -571,6 +571,14 @@ class SealAccumulator:
         self.add_payload(view)
         return digest
 
+    def add_streamed_payload(self, running_hash: Any, nbytes: int) -> None:
+        """Count one payload of ``nbytes`` whose bytes a streaming hasher already fed into
+        ``running_hash``, a copy of :attr:`payload_hash` continued over exactly that payload
+        (:mod:`.streamhash`); it becomes the running payload digest."""
+        self.payload_hash = running_hash
+        self.segment_count += 1
+        self.total_bytes += nbytes
+
     def core(self, begin: BeginManifestV2) -> SealCoreV2:
         return SealCoreV2(
             transfer_id=begin.transfer_id,

@@ -28,6 +28,16 @@ Payloads reach the sink as ``memoryview``s of the decoder's one payload buffer, 
 every frame: a view is valid only during ``write_segment``, and the sink copies what it
 keeps (into its detached generation, which it must do anyway). That bounds the receiver's
 own memory to one frame and avoids a fresh multi-MiB allocation per segment.
+
+Payloads of at least ``stream_hash_min`` bytes (1 MiB) are hashed *while they arrive*
+(:mod:`.streamhash`): while one is being read, :meth:`Receiver.wanted` hands out at most
+``stream_hash_chunk`` (256 KiB) at a time, and every :meth:`Receiver.advance` queues the
+newly completed range for the segment digest and the running payload digest, two ordered
+lanes on pool threads (hashlib releases the GIL), so the driver's next ``recv_into`` and
+its TLS decryption overlap the hashing. Nothing else moves: the digest is *waited for* at
+step 5's digest check, exactly where it was computed before (so the buffer is never
+reused while a lane still reads it), the running digest is continued on a copy adopted at
+that same step, and a refused or aborted segment just drops its queued ranges.
 """
 
 from __future__ import annotations
@@ -52,6 +62,14 @@ from .manifest import (
 )
 from .schedule import MUSE, SpanLayout, schedule_span
 from .state import RECEIVER_TRANSITIONS, ReceiverState, transition
+from .streamhash import PayloadStream
+
+#: Payloads at least this large are hashed while they arrive (see the module docstring);
+#: smaller ones are hashed in one go once complete, as before.
+STREAM_HASH_MIN = 1 << 20
+#: The ranges handed to the hashing lanes: large enough that the per-range Python cost is
+#: noise, small enough that the hashing left after a segment's last byte is short.
+STREAM_HASH_CHUNK = 256 << 10
 
 
 class Sink(Protocol):
@@ -140,7 +158,14 @@ class Receiver:
         *,
         now_unix_ms: int,
         held_token_ids: Optional[Sequence[int]] = None,
+        stream_hash_min: Optional[int] = STREAM_HASH_MIN,
+        stream_hash_chunk: int = STREAM_HASH_CHUNK,
     ) -> None:
+        """``stream_hash_min``: payloads of at least this many bytes are hashed while they
+        arrive, in ranges of ``stream_hash_chunk`` bytes (None: always hash complete
+        payloads on the calling thread's schedule, as :meth:`receive_frame` does)."""
+        if stream_hash_chunk < 1 or (stream_hash_min is not None and stream_hash_min < 1):
+            raise ValueError("stream hashing sizes must be positive")
         self.config = config
         self.sink = sink
         self.replay = replay
@@ -158,6 +183,9 @@ class Receiver:
         self._ids: set[str] = set()
         self._seen: set[str] = set()
         self._next = 0
+        self._stream_min = stream_hash_min
+        self._stream_chunk = stream_hash_chunk
+        self._stream: Optional[PayloadStream] = None  # the payload being hashed as it arrives
 
     # -- inputs -------------------------------------------------------------------------
 
@@ -179,16 +207,24 @@ class Receiver:
         return None if self.manifest is None else self._acc.core(self.manifest)
 
     def wanted(self) -> memoryview:
-        """Buffer for ``recv_into``; empty once the transfer is final."""
+        """Buffer for ``recv_into``; empty once the transfer is final.
+
+        Never beyond the current frame phase; while a large payload is hashed as it
+        arrives, never beyond the next hash range either (fill it, then :meth:`advance`).
+        """
         if self.state is ReceiverState.DONE:
             return memoryview(b"")
         self._check_open()
         try:
-            return self.decoder.wanted()
+            view = self.decoder.wanted()
         except ProtocolError as exc:
             self._fail(exc)
+        stream = self._stream
+        return view if stream is None else view[: stream.room()]
 
     def advance(self, n: int) -> list[Effect]:
+        """Record ``n`` bytes written into :meth:`wanted`; returns the effects of a frame
+        that completed."""
         if self.state is ReceiverState.DONE:
             return []
         self._check_open()
@@ -196,7 +232,10 @@ class Receiver:
             frame = self.decoder.advance(n)
         except ProtocolError as exc:
             self._fail(exc)
-        return [] if frame is None else self.receive_frame(frame)
+        if frame is None:
+            self._payload_progress()
+            return []
+        return self._receive(frame, self._stream)
 
     def receive_data(self, data) -> list[Effect]:
         """Feed bytes in any split. Bytes after the commit are ignored (errata H4)."""
@@ -229,6 +268,11 @@ class Receiver:
         self._fail(ProtocolError("aborted", reason, remote=False), raise_it=False)
 
     def receive_frame(self, frame) -> list[Effect]:
+        """Feed one decoded frame (its payload is hashed here, on the calling thread)."""
+        self._drop_stream()  # a payload the decoder was streaming is no longer the next frame
+        return self._receive(frame, None)
+
+    def _receive(self, frame, stream: Optional[PayloadStream]) -> list[Effect]:
         if self.state is ReceiverState.DONE:
             return []
         self._check_open()
@@ -238,7 +282,7 @@ class Receiver:
             if isinstance(frame, Begin):
                 effects = self._on_begin(frame)
             elif isinstance(frame, Segment):
-                effects = self._on_segment(frame)
+                effects = self._on_segment(frame, stream)
             elif isinstance(frame, Seal):
                 effects = self._on_seal(frame)
             elif isinstance(frame, Abort):
@@ -251,8 +295,46 @@ class Receiver:
             # Injected collaborators raise their own typed errors; keep their category in
             # the message and map them onto the step that failed.
             self._fail(ProtocolError("sink", f"{exc.category}: {exc.message}", remote=False))
+        self._stream = None  # consumed by _on_segment (a control frame never has one)
         self.state = new_state
         return effects
+
+    # -- hashing payloads as they arrive ------------------------------------------------
+
+    def _payload_progress(self) -> None:
+        """After an advance inside a frame: start or feed the payload's hash stream."""
+        progress = self.decoder.payload_progress
+        if progress is None:
+            return
+        view, filled = progress
+        stream = self._stream
+        try:
+            if stream is None:
+                # Only from the payload's first byte, only once admitted (a segment in any
+                # other state is refused when it completes), only for large payloads.
+                if filled or self._stream_min is None or view.nbytes < self._stream_min or self.state is not ReceiverState.RECEIVING:
+                    return
+                stream = self._stream = PayloadStream(view, self._acc.payload_hash, self._stream_chunk)
+            stream.feed(filled)
+        except Exception as exc:  # noqa: BLE001 - e.g. no pool thread at interpreter exit
+            self._fail(ProtocolError("aborted", f"payload hashing failed: {type(exc).__name__}: {exc}", remote=False))
+
+    def _drop_stream(self) -> None:
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            stream.cancel()
+
+    def _segment_digest(self, payload: memoryview, stream: Optional[PayloadStream]) -> str:
+        """The segment's SHA-256 (hex), with the running payload digest fed by it: from the
+        hash stream that followed this payload in, else computed now."""
+        if stream is None or stream.view is not payload:
+            return self._acc.add_payload_and_digest(payload)
+        try:
+            got = stream.digest()  # waits for both lanes: the buffer is ours again after
+        except Exception as exc:  # noqa: BLE001
+            raise ProtocolError("aborted", f"payload hashing failed: {type(exc).__name__}: {exc}", remote=False) from exc
+        self._acc.add_streamed_payload(stream.running_hash, payload.nbytes)
+        return got
 
     # -- failure ------------------------------------------------------------------------
 
@@ -263,6 +345,7 @@ class Receiver:
     def _fail(self, exc: ProtocolError, raise_it: bool = True):
         self.error = exc
         self.state = ReceiverState.CLOSED
+        self._drop_stream()
         if self._sink_open:
             self._sink_open = False
             try:
@@ -307,7 +390,7 @@ class Receiver:
         self._call("sink", self.sink.begin, m, frame.prefix_cut)
         return [Admitted(m, frame.prefix_cut)]
 
-    def _on_segment(self, frame: Segment) -> list[Effect]:
+    def _on_segment(self, frame: Segment, stream: Optional[PayloadStream] = None) -> list[Effect]:
         m = self.manifest
         seq = self._next
         if frame.sequence != seq:
@@ -331,7 +414,7 @@ class Receiver:
             raise ProtocolError("digest", f"segment {seq}: {payload.nbytes} payload bytes, descriptor says {d.byte_len}")
         # the running payload digest is fed in the same pass; a mismatch closes the machine,
         # so the extra bytes in it are never used
-        got = self._acc.add_payload_and_digest(payload)
+        got = self._segment_digest(payload, stream)
         if not _hmac.compare_digest(got.encode(), d.sha256.encode()):
             raise ProtocolError("digest", f"segment {seq}: payload SHA-256 does not match its descriptor")
         self._acc.add_descriptor(d)

@@ -333,15 +333,27 @@ class ReceiverNode:
         committed: Optional[Committed] = None
         try:
             chan.settimeout(max(0.05, pending.deadline - time.monotonic()))
+            recv_into = chan.recv_into
             while True:
+                # Fill the whole wanted() view (the rest of a preamble or header, or the next
+                # hash range of a payload), one recv_into per TLS record and nothing else per
+                # record, then advance once. Every recv_into still runs under the socket
+                # timeout set here (the accept deadline, then timeout_ms once admitted), so a
+                # stalled peer is cut off exactly as before.
                 buf = rx.wanted()
-                if not len(buf):
+                want = len(buf)
+                if not want:
                     break
-                n = chan.recv_into(buf)
+                got = recv_into(buf)
+                while got and got < want:
+                    n = recv_into(buf[got:])
+                    if n == 0:
+                        break
+                    got += n
                 t_recv = time.perf_counter()
-                if n == 0:
+                effects = rx.advance(got) if got else []
+                if got < want:
                     rx.eof()  # raises: the stream ended before the seal
-                effects = rx.advance(n)
                 for e in effects:
                     if isinstance(e, Admitted):
                         admitted = pending.admitted = True

@@ -1,0 +1,98 @@
+"""The decode node's receive loop fills whole ``wanted()`` views before advancing: a peer
+that stalls in the middle of one is still cut off by the existing deadlines (the accept
+deadline before admission, ``timeout_ms`` after), with a refusal receipt, nothing
+installed and nothing reserved."""
+
+from __future__ import annotations
+
+import dataclasses
+import select
+import time
+
+import pytest
+
+from kvpack.errors import ProtocolError
+from kvpack.security.tls import connect
+
+from .helpers import Proxy, receipts
+from .test_nodes_arrays import PROMPT, nodes  # noqa: F401 - the fixture
+
+
+class StallingProxy(Proxy):
+    """Relays producer -> receiver bytes up to ``stall_at``, then swallows the rest (the
+    connections stay open: the receiver sees a silent peer, not an EOF)."""
+
+    def __init__(self, target_port: int, *, stall_at: int) -> None:
+        self.stall_at = stall_at
+        super().__init__(target_port)
+
+    def _relay(self, client, server) -> None:
+        socks = [client, server]
+        try:
+            while not self._stop:
+                r, _, _ = select.select(socks, [], [], 0.2)
+                for s in r:
+                    data = s.recv(1 << 16)
+                    if not data:
+                        return
+                    if s is client:
+                        data = data[: max(0, self.stall_at - self.up)]
+                        self.up += len(data)
+                        if data:
+                            server.sendall(data)
+                    else:
+                        self.down += len(data)
+                        client.sendall(data)
+        except OSError:
+            return
+        finally:
+            client.close()
+            server.close()
+
+
+def test_peer_stalling_mid_segment_is_cut_off_by_timeout_ms(nodes):  # noqa: F811
+    n = nodes()
+    n.rcfg = dataclasses.replace(n.rcfg, timeout_ms=1500, wait_for_producer_ms=1500)
+    n.restart_receiver()
+    n.receiver.generate(PROMPT[:300], 4)  # a live session to keep intact
+    before = n.snapshot()
+    ledger = n.receiver.ledger.snapshot()
+    proxy = StallingProxy(n.receiver.data_port, stall_at=150_000)  # inside a tile, after admission
+    n.receiver._advertised_port = proxy.port
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(ProtocolError) as info:
+            n.receiver.generate(list(range(2, 1000)), 4)
+    finally:
+        proxy.close()
+    took = time.monotonic() - t0
+    assert proxy.up == 150_000
+    assert info.value.category == "aborted"
+    assert 1.4 < took < 30
+    assert n.snapshot() == before and n.receiver.ledger.snapshot() == ledger
+    last = n.refused()[-1]
+    assert last["phase"] == "admitted" and last["reason"] == "aborted" and "timed out" in last["detail"], last
+    assert 0 < last["payload_bytes"] < 150_000
+
+
+def test_peer_stalling_before_admission_is_cut_off_by_the_accept_deadline(nodes):  # noqa: F811
+    n = nodes()
+    ep = n.pcfg.data_endpoint("decode-a")
+    pending = n.receiver.expect("muser-1-7", PROMPT, wait_s=1.0)
+    ch = connect(ep, "127.0.0.1", n.receiver.data_port)
+    t0 = time.monotonic()
+    try:
+        ch.sendall(b"KVPKV2\0\0\x10\0")  # half a preamble, then silence
+        with pytest.raises(ProtocolError) as info:
+            n.receiver.wait(pending)
+    finally:
+        ch.close()
+    took = time.monotonic() - t0
+    assert 0.9 < took < 10
+    assert "accept deadline" in info.value.message
+    deadline = time.monotonic() + 5
+    while not n.refused() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    last = receipts(n.rdir)[-1]
+    assert last["verdict"] == "refused" and last["phase"] == "begin"
+    assert last["reason"] == "aborted" and "timed out" in last["detail"], last
