@@ -13,9 +13,9 @@ default), so stripes run in parallel on separate cores:
   per-segment and running SHA-256 run concurrently inside it) while a writer thread
   ``sendall``s the framed buffers (TLS encrypt), like bench_gpu's ``sealed_stripe``;
 * the receiver process fills the whole ``Receiver.wanted()`` view (the rest of the current
-  frame phase: preamble, header, or the entire segment payload) with a tight ``recv_into``
-  loop and then calls ``Receiver.advance`` once per phase, instead of once per 16 KiB TLS
-  record; the sink counts (``CountingSink``) and the replay gate is in memory
+  frame phase: preamble, header, or up to 256 KiB of a large payload, which the receiver
+  hashes while the next bytes arrive) with a tight ``recv_into`` loop and then calls
+  ``Receiver.advance`` once per view, instead of once per 16 KiB TLS record; the sink counts (``CountingSink``) and the replay gate is in memory
   (``--receiver-loop per-record`` restores bench_gpu's advance-per-recv loop, for comparison);
 * the payload is a file every process maps read-only (``MAP_POPULATE``: page tables are
   filled before the start signal): ``--payload-file`` (e.g. real KV bytes) or
@@ -224,7 +224,7 @@ def _sealed_receiver(chan, group, share: int, position: int, created: int, tid: 
     if loop == "fill":
         recv_into = chan.sock.recv_into  # the verified SSLSocket: no per-record channel wrapper
         while True:
-            dst = receiver.wanted()  # the rest of the current phase: preamble, header or whole payload
+            dst = receiver.wanted()  # the rest of the current phase (a large payload: at most 256 KiB of it)
             want = len(dst)
             if not want:
                 break
