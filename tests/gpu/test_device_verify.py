@@ -76,6 +76,39 @@ def test_device_verify_hands_the_tail_to_the_host(tmp_path, tail):
     assert _ring_idle(eng.device, store.wave_chunks)
 
 
+def test_concurrent_restores_share_the_ring_without_deadlock(tmp_path):
+    """Two restores in two threads on one ring too small for both (3 waves each wanted):
+    neither may wait for a wave while holding waves the other needs."""
+    import threading
+
+    eng = llama_engine("f16")
+    tokens = random_tokens(640, eng.layout.vocab_size)
+    s = eng.new_session()
+    s.prefill(tokens)
+    store = _store(tmp_path, wave_chunks=2, waves=3)
+    store.save(s)
+    device_verify.wave_ring(eng.device, wave_chunks=2, waves=4)  # 4 waves for two restores that want 3 each
+    results, errors = [], []
+
+    def restore():
+        try:
+            r = eng.new_session()
+            store.restore(store.find_deepest(tokens, eng.layout, eng.ids()), r, tokens)
+            results.append(r.cache_digest())
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=restore, daemon=True) for _ in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=120)
+    assert not any(th.is_alive() for th in threads), "restores deadlocked on the shared ring"
+    assert not errors
+    assert results == [s.cache_digest()] * 2
+    assert _ring_idle(eng.device, 2)
+
+
 def test_device_verified_delta_chain_restores(tmp_path):
     eng = llama_engine("f16")
     tokens = random_tokens(900, eng.layout.vocab_size, seed=3)

@@ -214,8 +214,14 @@ class WaveRing:
                 self._free.put(Wave(self, self.wave_chunks))
                 self.waves += 1
 
-    def acquire(self) -> Wave:
-        wave = self._free.get()
+    def acquire(self, *, block: bool = True) -> Wave | None:
+        """A free wave (waits for one; ``block=False`` returns None instead). Restores that
+        share the ring must not block while holding waves: each installs its own oldest wave
+        first (PackStore does), so two concurrent restores cannot wait on each other."""
+        try:
+            wave = self._free.get(block=block)
+        except queue.Empty:
+            return None
         wave._wait_reusable()
         return wave
 

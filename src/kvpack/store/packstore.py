@@ -778,9 +778,14 @@ class PackStore:
                 try:
                     for start, group in zip(starts, groups):
                         pump()
-                        if len(held) >= waves:  # ring full: the oldest wave must be installed first
+                        if len(held) >= waves:  # our share is in use: install our oldest first
                             install_oldest()
-                        wave = ring.acquire()
+                        wave = ring.acquire(block=False)
+                        while wave is None and held:  # the ring is shared: never wait holding waves
+                            install_oldest()
+                            wave = ring.acquire(block=False)
+                        if wave is None:
+                            wave = ring.acquire()  # we hold none: whoever does will release them
                         held.append(wave)
                         reading.append((wave, group, [pool.submit(read, job, wave, i, start + i >= first_host) for i, job in enumerate(group)]))
                     while reading or entry_launched:
