@@ -10,6 +10,7 @@ per payload through the real lanes and pool threads; large payloads run the defa
 from __future__ import annotations
 
 import hashlib
+import os
 import random
 import struct
 import threading
@@ -331,3 +332,23 @@ def test_forked_child_gets_its_own_pool():
     os.kill(pid, 9)
     os.waitpid(pid, 0)
     pytest.fail("streamed digest hung in a forked child")
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_sender_segment_hash_pool_works_in_a_forked_child():
+    """The sender's segment-digest pool, started in the parent, must not hang a forked child
+    (the child has none of the parent's pool threads)."""
+    from kvpack.handoff import manifest as m
+
+    big = memoryview(bytes(2 << 20))
+    want = hashlib.sha256(big).hexdigest()
+    assert m._hash_pool().submit(m._sha256_hex, big).result() == want
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - runs in the child
+        try:
+            ok = m._hash_pool().submit(m._sha256_hex, big).result(timeout=10) == want
+        except BaseException:
+            ok = False
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import os
 import hmac as _hmac
 import re
 from dataclasses import dataclass, field
@@ -522,8 +523,18 @@ def _sha256_hex(view: memoryview) -> str:
     return hashlib.sha256(view).hexdigest()
 
 
+def _forget_pool_in_child() -> None:
+    # A forked child has none of the parent's pool threads: a submit there would wait forever.
+    global _POOL
+    _POOL = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool_in_child)
+
+
 def _hash_pool():
-    """One shared helper thread for segment digests (created on first large segment)."""
+    """The shared helper threads for segment digests (created on first large segment)."""
     global _POOL
     if _POOL is None:
         from concurrent.futures import ThreadPoolExecutor
