@@ -96,3 +96,45 @@ def test_peer_stalling_before_admission_is_cut_off_by_the_accept_deadline(nodes)
     last = receipts(n.rdir)[-1]
     assert last["verdict"] == "refused" and last["phase"] == "begin"
     assert last["reason"] == "aborted" and "timed out" in last["detail"], last
+
+
+def test_peer_trickling_before_admission_is_cut_off_at_the_accept_deadline(nodes):  # noqa: F811
+    """A peer that sends one byte every 0.3 s never trips a per-read timeout; the accept
+    deadline (1 s here) must still bound the whole wait before admission."""
+    import threading
+
+    n = nodes()
+    ep = n.pcfg.data_endpoint("decode-a")
+    pending = n.receiver.expect("muser-1-7", PROMPT, wait_s=1.0)
+    ch = connect(ep, "127.0.0.1", n.receiver.data_port)
+    before = len(n.refused())
+    stop = threading.Event()
+
+    def trickle():
+        for byte in b"KVPKV2\0\0\x10\0\0\0\0\0\0\0" * 2:  # 32 bytes: ~9.6 s at this pace
+            if stop.is_set():
+                return
+            try:
+                ch.sendall(bytes([byte]))
+            except OSError:
+                return  # the receiver dropped the connection
+            time.sleep(0.3)
+
+    t0 = time.monotonic()
+    th = threading.Thread(target=trickle, daemon=True)
+    th.start()
+    try:
+        with pytest.raises(ProtocolError):
+            n.receiver.wait(pending)
+        deadline = time.monotonic() + 8
+        while len(n.refused()) == before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        took = time.monotonic() - t0
+    finally:
+        stop.set()
+        ch.close()
+        th.join(timeout=5)
+    assert len(n.refused()) > before, "the trickling connection was never refused"
+    last = n.refused()[-1]
+    assert last["phase"] == "begin" and last["reason"] == "aborted", last
+    assert took < 3.0, f"the trickling peer held the connection {took:.1f} s past a 1 s accept deadline"

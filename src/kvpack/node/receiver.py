@@ -337,15 +337,26 @@ class ReceiverNode:
             while True:
                 # Fill the whole wanted() view (the rest of a preamble or header, or the next
                 # hash range of a payload), one recv_into per TLS record and nothing else per
-                # record, then advance once. Every recv_into still runs under the socket
-                # timeout set here (the accept deadline, then timeout_ms once admitted), so a
-                # stalled peer is cut off exactly as before.
+                # record, then advance once. Before admission every recv_into runs under what
+                # is left of the accept deadline; after it, under timeout_ms (errata H3).
                 buf = rx.wanted()
                 want = len(buf)
                 if not want:
                     break
+                if not admitted:
+                    # the accept deadline bounds the whole wait, not each read: a peer that
+                    # trickles bytes must not hold the connection past it
+                    left = pending.deadline - time.monotonic()
+                    if left <= 0:
+                        raise TimeoutError("accept deadline passed before admission")
+                    chan.settimeout(left)
                 got = recv_into(buf)
                 while got and got < want:
+                    if not admitted:
+                        left = pending.deadline - time.monotonic()
+                        if left <= 0:
+                            raise TimeoutError("accept deadline passed before admission")
+                        chan.settimeout(left)
                     n = recv_into(buf[got:])
                     if n == 0:
                         break
