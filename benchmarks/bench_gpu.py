@@ -48,7 +48,6 @@ import hmac
 import json
 import os
 import platform
-import queue
 import shutil
 import statistics
 import subprocess
@@ -60,7 +59,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import bench_handoff_procs  # benchmarks/ is on sys.path when run as a script
 from bench_handoff_procs import make_pki
-from handoff_doubles import KEY, CountingSink, MemoryLedger
 
 
 def _emit(line: dict, out: str | None) -> None:
@@ -247,12 +245,7 @@ def device_stage_times(store, device, workers: int, repeat: int) -> dict:
     for i in range(len(sizes)):
         pt = ChunkHeader.parse(view[i * SLOT_BYTES : i * SLOT_BYTES + 4096]).plaintext_bytes
         jobs.append((dev[i * SLOT_BYTES + PLAINTEXT_OFFSET : i * SLOT_BYTES + PLAINTEXT_OFFSET + pt], head))
-    # the same table sha256_many builds, launched and timed alone
-    table = torch.zeros((len(jobs), 4), dtype=torch.int64)
-    heads = torch.zeros((len(jobs), gpu_digest.HEAD_BYTES), dtype=torch.uint8, device=device)
-    for j, (body, h) in enumerate(jobs):
-        table[j] = torch.tensor([body.data_ptr(), heads[j].data_ptr(), body.numel(), len(h)])
-    table = table.to(device)
+    table, heads = gpu_digest.job_table(jobs, device)  # launched and timed alone below
     out = torch.empty((len(jobs), 8), dtype=torch.int32, device=device)
     gpu_digest.launch(table, out, len(jobs))  # warm-up (compiles on first use)
     torch.cuda.synchronize()
@@ -443,128 +436,63 @@ def open_pairs(server_ep, client_ep, count: int):
     return list(zip(clients, servers))
 
 
-def _manifest(tid: str, position: int):
-    return bench_handoff_procs._manifest(tid, position, int(time.time() * 1000))
-
-
-def sealed_stripe(pair, segs, payload, position: int, elements: int, etype: str, tid: str) -> int:
-    """One sealed deferred transfer of ``segs`` over one mTLS pair; returns payload bytes."""
-    from kvpack.handoff.receiver import Committed, Receiver, ReceiverConfig
-    from kvpack.handoff.schedule import SpanSegment
-    from kvpack.handoff.sender import Sender
-
+def _stripe_in_threads(pair, receive, send) -> None:
+    """One stripe as two threads of this process: ``receive(server)`` beside ``send(client)``
+    (bench_handoff_procs' sender and receiver bodies); the first failure is raised."""
     client, server = pair
-    manifest = _manifest(tid, position)
-    sink = CountingSink()
-    result: dict = {}
+    errors: list = []
 
-    def receive():
+    def guarded(fn, chan):
         try:
-            receiver = Receiver(ReceiverConfig(key=KEY, key_id="bench", minimum_epoch=1, layout=None), sink, MemoryLedger(), now_unix_ms=manifest.created_unix_ms + 1)
-            while True:
-                dst = receiver.wanted()
-                if not len(dst):
-                    break
-                n = server.recv_into(dst)
-                if n == 0:
-                    receiver.eof()
-                    break
-                for eff in receiver.advance(n):
-                    if isinstance(eff, Committed):
-                        server.sendall(eff.ack)
-                        result["total"] = eff.total_bytes
+            fn(chan)
         except BaseException as exc:  # surfaced below
-            result["error"] = exc
+            errors.append(exc)
+            client.close()  # unblock the peer
+            server.close()
 
-    rt = threading.Thread(target=receive, daemon=True)
+    rt = threading.Thread(target=guarded, args=(receive, server), daemon=True)
     rt.start()
-    sender = Sender(manifest, KEY)
-    q: queue.Queue = queue.Queue(maxsize=8)  # hashing/framing || TLS encrypt + send
-
-    def write():
-        try:
-            while (bufs := q.get()) is not None:
-                for b in bufs:
-                    client.sendall(b)
-        except BaseException as exc:
-            result["error"] = exc
-            while q.get() is not None:  # keep the producer from blocking
-                pass
-
-    wt = threading.Thread(target=write, daemon=True)
-    wt.start()
-    try:
-        q.put(sender.begin())
-        for seq, (layer, role, a, b, off, nbytes) in enumerate(segs):
-            # Llama's layers are all full-span: sent under the protocol's full-span roles
-            intent = SpanSegment(seq, "target", "nope_key" if role == "k" else "nope_value", layer, a, b - a, etype, elements)
-            q.put(sender.send_segment(payload[off : off + nbytes], intent))
-        q.put(sender.seal())
-    finally:
-        q.put(None)
-    wt.join()
-    if "error" in result:
-        raise result["error"]
-    ack = None
-    while ack is None:
-        data = client.recv(65536)
-        if not data:
-            raise RuntimeError("receiver closed without an ack")
-        ack = sender.receive_data(data)
+    guarded(send, client)
     rt.join()
-    if "error" in result:
-        raise result["error"]
-    assert sink.committed and result["total"] == sum(s[5] for s in segs)
-    return result["total"]
-
-
-def raw_stripe(pair, segs, payload) -> int:
-    client, server = pair
-    total = sum(s[5] for s in segs)
-    got = {"n": 0}
-
-    def receive():
-        buf = memoryview(bytearray(8 << 20))
-        while got["n"] < total:
-            n = server.recv_into(buf)
-            if n == 0:
-                break
-            got["n"] += n
-        server.sendall(b"k")
-
-    rt = threading.Thread(target=receive, daemon=True)
-    rt.start()
-    for _layer, _role, _a, _b, off, nbytes in segs:
-        client.sendall(payload[off : off + nbytes])
-    assert client.recv(1) == b"k"
-    rt.join()
-    assert got["n"] == total
-    return total
+    if errors:
+        raise errors[0]
 
 
 def bench_handoff(args, payload_info, out: str | None) -> None:
-    payload, segs, elements, etype = payload_info
-    position = max(b for _l, _r, _a, b, _o, _n in segs)
+    """``--handoff-layout threads``: every stripe's sender and receiver are threads of this
+    process (the first round's layout, kept to show what the GIL costs), with the
+    advance-per-record receive loop; the bodies are bench_handoff_procs'."""
+    payload, segs, _elements, _etype = payload_info
+    intents, position = bench_handoff_procs.segment_intents([(off, nbytes) for *_rest, off, nbytes in segs])
     tmp = tempfile.mkdtemp(prefix="kvpack-bench-pki-")
     server_ep, client_ep = make_pki(tmp)
     for stripes in args.stripes:
-        groups = [segs[i::stripes] for i in range(stripes)]
+        groups = [intents[i::stripes] for i in range(stripes)]
         # sequences are per transfer; each stripe is its own transfer of its own segments
         rates = {}
         for kind in ("raw_tls", "sealed"):
             pairs = open_pairs(server_ep, client_ep, stripes)
+            created = int(time.time() * 1000)
             errors: list = []
 
-            def run(i, kind=kind, pairs=pairs, groups=groups, stripes=stripes, errors=errors):
+            def run(i, kind=kind, pairs=pairs, groups=groups, stripes=stripes, errors=errors, created=created):
+                group, tid = groups[i], f"bench-{stripes}-{i}"
+                share = sum(g[-1] for g in group)
                 try:
                     if kind == "sealed":
-                        sealed_stripe(pairs[i], groups[i], payload, position, elements, etype, f"bench-{stripes}-{i}")
+                        _stripe_in_threads(
+                            pairs[i],
+                            lambda chan: bench_handoff_procs._sealed_receiver(chan, group, share, position, created, tid, "per-record"),
+                            lambda chan: bench_handoff_procs._sealed_sender(chan, group, payload, position, created, tid),
+                        )
                     else:
-                        raw_stripe(pairs[i], groups[i], payload)
+                        _stripe_in_threads(
+                            pairs[i],
+                            lambda chan: bench_handoff_procs._raw_receiver(chan, share),
+                            lambda chan: bench_handoff_procs._raw_sender(chan, group, payload),
+                        )
                 except BaseException as exc:
                     errors.append(exc)
-                    for sock in pairs[i]:  # unblock the peer thread
-                        sock.close()
 
             threads = [threading.Thread(target=run, args=(i,)) for i in range(stripes)]
             t0 = time.perf_counter()

@@ -224,7 +224,7 @@ def test_host_job_hashing_reads_head_then_body():
     body = torch.randint(0, 256, (5000,), dtype=torch.uint8)
     head = torch.randint(0, 256, (70,), dtype=torch.uint8)
     table = torch.tensor([[body.data_ptr() + 3, head.data_ptr(), 4000, 70], [body.data_ptr(), 0, 0, 0]], dtype=torch.int64)
-    got = device_verify.hash_jobs_on_host(table.numpy(), None, 2)
+    got = device_verify.hash_jobs_on_host(table.numpy(), 2)
     assert got[0] == hashlib.sha256(head.numpy().tobytes() + body.numpy()[3:4003].tobytes()).digest()
     assert got[1] == hashlib.sha256(b"").digest()
 

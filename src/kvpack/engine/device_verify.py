@@ -37,15 +37,14 @@ from typing import Any
 
 from ..format import constants as C
 from . import gpu_digest
+from .cuda import SLOT_BYTES, _pool_for  # one slot size for both staging paths
 from .transformers_adapter import _torch
 
-#: Bytes of one chunk-object slot (4096-aligned, the largest object).
-SLOT_BYTES = -(-C.MAX_CHUNK_OBJECT_BYTES // 4096) * 4096
 #: Where a raw frame's plaintext starts inside its object (header + frame header).
 PLAINTEXT_OFFSET = C.HEADER_BYTES + C.CODEC_FRAME_HEADER_BYTES
 
 
-def hash_jobs_on_host(table, heads_unused, count: int) -> list[bytes]:
+def hash_jobs_on_host(table, count: int) -> list[bytes]:
     """hashlib over the jobs of ``table`` (rows: body address, head address, body bytes,
     head bytes; host memory): the CPU twin of the kernel, for the CPU pipeline."""
     out = []
@@ -134,7 +133,7 @@ class Wave:
         nbytes = used * SLOT_BYTES
         if not self.ring.cuda:
             self.dev[:nbytes].copy_(self.host[:nbytes])
-            self._host_digests = hash_jobs_on_host(table, None, count)
+            self._host_digests = hash_jobs_on_host(table, count)
             return
         with torch.cuda.stream(self.stream):
             self.dev[:nbytes].copy_(self.host[:nbytes], non_blocking=True)
@@ -225,18 +224,10 @@ class WaveRing:
         wave._wait_reusable()
         return wave
 
-_rings: dict[tuple[str, int], WaveRing] = {}
-_rings_lock = threading.Lock()
-
-
 def wave_ring(device: Any, *, wave_chunks: int, waves: int) -> WaveRing:
     """The process-wide ring for ``device`` and this wave size, with at least ``waves`` waves."""
-    torch = _torch()
-    key = (str(torch.device(device)), wave_chunks)
-    with _rings_lock:
-        ring = _rings.get(key)
-        if ring is None:
-            ring = _rings[key] = WaveRing(device, wave_chunks=wave_chunks, waves=waves)
+    device = _torch().device(device)
+    ring = _pool_for("waves", device, wave_chunks, lambda: WaveRing(device, wave_chunks=wave_chunks, waves=waves))
     ring.grow(waves)
     return ring
 

@@ -147,10 +147,15 @@ _failure: dict[int, str] = {}
 THREADS_PER_BLOCK = 32
 
 
-def _kernel(device: Any):
+def _index(device: Any) -> int:
     torch = _torch()
     index = torch.device(device).index
-    index = torch.cuda.current_device() if index is None else index
+    return torch.cuda.current_device() if index is None else index
+
+
+def _kernel(device: Any):
+    torch = _torch()
+    index = _index(device)
     with _lock:
         if index in _kernels:
             return _kernels[index]
@@ -199,14 +204,13 @@ def message_latency(device: Any, nbytes: int) -> float:
     per device and size, then cached). A launch of many messages takes about as long as its
     longest one, so this is what a wave of chunk objects costs after its last upload."""
     torch = _torch()
-    index = torch.device(device).index
-    index = torch.cuda.current_device() if index is None else index
+    index = _index(device)
     key = (index, nbytes)
     if key not in _latency:
         with torch.cuda.device(index):
             buf = torch.zeros(nbytes, dtype=torch.uint8, device=f"cuda:{index}")
-            table = torch.tensor([[buf.data_ptr(), 0, nbytes, 0]], dtype=torch.int64, device=f"cuda:{index}")
-            out = torch.empty((1, 8), dtype=torch.int32, device=f"cuda:{index}")
+            table, _heads = job_table([(buf, b"")], buf.device)
+            out = torch.empty((1, 8), dtype=torch.int32, device=buf.device)
             launch(table, out, 1)  # compile and load
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -224,9 +228,9 @@ def digest_bytes(words) -> bytes:
     return np.asarray(words, dtype=np.uint32).astype(">u4").tobytes()
 
 
-def sha256_many(messages: list[tuple[Any, bytes]], device: Any) -> list[bytes]:
-    """Digests of ``head || body`` for each ``(body, head)``, ``body`` a flat uint8 CUDA
-    tensor (any offset into a larger buffer). Synchronous; for tests and the benchmark."""
+def job_table(messages: list[tuple[Any, bytes]], device: Any):
+    """The device job table (and the heads it points into; keep both alive until the launch
+    has run) for ``(body, head)`` messages, ``body`` a flat uint8 tensor on ``device``."""
     torch = _torch()
     n = len(messages)
     heads = torch.zeros((max(n, 1), HEAD_BYTES), dtype=torch.uint8)
@@ -234,18 +238,27 @@ def sha256_many(messages: list[tuple[Any, bytes]], device: Any) -> list[bytes]:
     for i, (body, head) in enumerate(messages):
         if len(head) > HEAD_BYTES:
             raise ValueError(f"head of {len(head)} bytes; at most {HEAD_BYTES}")
-        heads[i, : len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8) if head else heads[i, :0]
+        if head:
+            heads[i, : len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
         table[i, 2] = body.numel()
         table[i, 3] = len(head)
     dev_heads = heads.to(device)
     for i, (body, _head) in enumerate(messages):
         table[i, 0] = body.data_ptr()
         table[i, 1] = dev_heads[i].data_ptr()
-    dev_table = table.to(device)
+    return table.to(device), dev_heads
+
+
+def sha256_many(messages: list[tuple[Any, bytes]], device: Any) -> list[bytes]:
+    """Digests of ``head || body`` for each ``(body, head)``, ``body`` a flat uint8 CUDA
+    tensor (any offset into a larger buffer). Synchronous; for tests and the benchmark."""
+    torch = _torch()
+    n = len(messages)
+    table, _heads = job_table(messages, device)
     out = torch.empty((max(n, 1), 8), dtype=torch.int32, device=device)
-    launch(dev_table, out, n)
+    launch(table, out, n)
     words = out.cpu().numpy().view("uint32")
     return [digest_bytes(words[i]) for i in range(n)]
 
 
-__all__ = ["HEAD_BYTES", "THREADS_PER_BLOCK", "available", "digest_bytes", "launch", "message_latency", "sha256_many"]
+__all__ = ["HEAD_BYTES", "THREADS_PER_BLOCK", "available", "digest_bytes", "job_table", "launch", "message_latency", "sha256_many"]

@@ -695,7 +695,7 @@ class PackStore:
             wave.place_plaintext(i, plaintext)  # a raw plaintext is already in place: no copy
             return "host", None, None
 
-        def finish(entry) -> None:
+        def launch_wave(entry) -> None:
             wave, wave_jobs, futs = entry
             t0 = time.perf_counter()
             results = [f.result() for f in futs]
@@ -758,11 +758,11 @@ class PackStore:
         def pump() -> None:
             """Queue the hashes of every wave whose reads are all done (never blocks)."""
             while reading and all(f.done() for f in reading[0][2]):
-                finish(reading.pop(0))
+                launch_wave(reading.pop(0))
 
         def install_oldest() -> None:
             if not entry_launched:
-                finish(reading.pop(0))  # waits for its reads
+                launch_wave(reading.pop(0))  # waits for its reads
             entry = entry_launched.pop(0)
             t0 = time.perf_counter()
             while not entry[0].hashed_ready():  # keep later waves hashing meanwhile
