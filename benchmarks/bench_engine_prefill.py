@@ -46,8 +46,7 @@ def main() -> None:
             t = time.perf_counter()
             nbytes = sum(len(s.export_rows(layer, role, 0, s.position)) for layer, role in s.layout.states())
             export_s = time.perf_counter() - t
-            runs.append({"prefill_s": round(prefill_s, 3), "decode_ms_per_token": round(decode_ms, 1),
-                         "export_bytes": nbytes, "export_s": round(export_s, 4)})
+            runs.append({"prefill_s": round(prefill_s, 3), "decode_ms_per_token": round(decode_ms, 1), "export_bytes": nbytes, "export_s": round(export_s, 4)})
         result["runs"][str(n)] = {"min_prefill_s": min(r["prefill_s"] for r in runs), "all": runs}
     result["loadavg"] = os.getloadavg()
     print(json.dumps(result, sort_keys=True))

@@ -73,7 +73,9 @@ def main() -> None:
             piece = buf[span.plaintext_offset : span.plaintext_offset + span.plaintext_bytes]
             salt = i.to_bytes(16, "little") if encrypted else bytes(16)
             nonce = i.to_bytes(12, "little") if encrypted else bytes(12)
-            return encode_chunk(keys=keys, family_digest=fam_digest, key=state.key, span=span, plaintext=piece, codec=1, encrypted=encrypted, salt=salt, nonce=nonce)
+            return encode_chunk(
+                keys=keys, family_digest=fam_digest, key=state.key, span=span, plaintext=piece, codec=1, encrypted=encrypted, salt=salt, nonce=nonce
+            )
 
         chunks: list = []
 

@@ -42,6 +42,8 @@ from kvpack.handoff.sender import Sender
 from handoff_doubles import KEY, CountingSink, MemoryLedger as Ledger  # noqa: E402 - benchmarks/ is on sys.path
 
 TILE_BYTES = 6_815_744
+
+
 def position_for(target: int) -> int:
     position = 512
     while payload_bytes(muse_intents(position)) < target:

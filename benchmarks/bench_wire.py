@@ -58,8 +58,7 @@ def make_cluster(root: str, engine):
     c = Cluster.init(root, identity=identity_file_json(engine))
     c.enroll_node("decode-a", "receiver", listen=f"127.0.0.1:{free_port()}")
     c.enroll_node("prefill-a", "producer", control_listen=f"127.0.0.1:{free_port()}")
-    return load_receiver_config(c.receiver_config_path("decode-a", "prefill-a")), load_producer_config(
-        c.producer_config_path("prefill-a"))
+    return load_receiver_config(c.receiver_config_path("decode-a", "prefill-a")), load_producer_config(c.producer_config_path("prefill-a"))
 
 
 class RingSink:
@@ -100,8 +99,20 @@ class NoLedger:
 def manifest_for(engine, position: int, key_id: str, epoch: int, gen: int, prefix="bench") -> BeginManifestV2:
     exact, target = wire_identity(engine)
     now = time.time_ns() // 1_000_000
-    return BeginManifestV2(PROTOCOL, f"{prefix}-{gen}", gen, now, now + 900_000, exact, tuple(range(position)), None,
-                           HmacRef(key_id, epoch), (ComponentV2("target", "target_kv", True, target),), (), True)
+    return BeginManifestV2(
+        PROTOCOL,
+        f"{prefix}-{gen}",
+        gen,
+        now,
+        now + 900_000,
+        exact,
+        tuple(range(position)),
+        None,
+        HmacRef(key_id, epoch),
+        (ComponentV2("target", "target_kv", True, target),),
+        (),
+        True,
+    )
 
 
 def tile_source(layout, position: int):
@@ -143,8 +154,9 @@ def run_rate(engine, rcfg, pcfg, total: int) -> dict:
                 got += n
             ch.sendall(b"k")
         else:
-            rx = Receiver(ReceiverConfig(key, rcfg.hmac_key_id, rcfg.minimum_hmac_epoch, layout=layout), RingSink(),
-                          NoLedger(), now_unix_ms=time.time_ns() // 1_000_000)
+            rx = Receiver(
+                ReceiverConfig(key, rcfg.hmac_key_id, rcfg.minimum_hmac_epoch, layout=layout), RingSink(), NoLedger(), now_unix_ms=time.time_ns() // 1_000_000
+            )
             while True:
                 buf = rx.wanted()
                 if not len(buf):
@@ -178,8 +190,13 @@ def run_rate(engine, rcfg, pcfg, total: int) -> dict:
         results[mode] = min(results.get(mode, 1e9), max(elapsed, out["seconds"]))
     raw_gbs = nbytes / results["raw"] / 1e9
     sealed_gbs = nbytes / results["sealed"] / 1e9
-    return {"payload_bytes": nbytes, "segments": len(segs), "raw_GBps": round(raw_gbs, 3),
-            "sealed_GBps": round(sealed_gbs, 3), "ratio": round(sealed_gbs / raw_gbs, 3)}
+    return {
+        "payload_bytes": nbytes,
+        "segments": len(segs),
+        "raw_GBps": round(raw_gbs, 3),
+        "sealed_GBps": round(sealed_gbs, 3),
+        "ratio": round(sealed_gbs / raw_gbs, 3),
+    }
 
 
 def send_sealed(ch, sender, segs, big) -> None:
@@ -207,8 +224,9 @@ def run_overhead(engine, rcfg, pcfg, tmp: str, tokens: int) -> dict:
         prompt = list(range(tokens))
         rid = "muser-1-1"
         m = manifest_for(engine, position, rcfg.hmac_key_id, rcfg.minimum_hmac_epoch, 1, prefix=rid)
-        m = BeginManifestV2(m.protocol, m.transfer_id, m.generation, m.created_unix_ms, m.expires_unix_ms, m.identity,
-                            tuple(prompt[:-1]), None, m.hmac, m.components, (), True)
+        m = BeginManifestV2(
+            m.protocol, m.transfer_id, m.generation, m.created_unix_ms, m.expires_unix_ms, m.identity, tuple(prompt[:-1]), None, m.hmac, m.components, (), True
+        )
         box = {}
         waiter = threading.Thread(target=lambda: box.setdefault("out", node.receive(rid, prompt, wait_s=60)))
         waiter.start()
@@ -219,8 +237,12 @@ def run_overhead(engine, rcfg, pcfg, tmp: str, tokens: int) -> dict:
         waiter.join()
         d = box["out"]["durations_s"]
         parts = {k: d.get(k, 0.0) for k in ("verify", "prepare", "reserve", "commit")}
-        return {"overhead_payload_bytes": box["out"]["payload_bytes"], "overhead_s": round(sum(parts.values()), 6),
-                **{f"{k}_s": round(v, 6) for k, v in parts.items()}, "wire_s": d.get("wire")}
+        return {
+            "overhead_payload_bytes": box["out"]["payload_bytes"],
+            "overhead_s": round(sum(parts.values()), 6),
+            **{f"{k}_s": round(v, 6) for k, v in parts.items()},
+            "wire_s": d.get("wire"),
+        }
     finally:
         node.stop()
 
@@ -238,8 +260,12 @@ def main(argv=None) -> int:
     for mib in [int(x) for x in args.sizes_mib.split(",") if x]:
         rates[f"{mib}MiB"] = run_rate(engine, rcfg, pcfg, mib << 20)
     over = run_overhead(engine, rcfg, pcfg, tmp, args.overhead_tokens)
-    print(json.dumps({"bench": "wire", "engine": args.engine, "cpus": os.cpu_count(), "rates": rates,
-                      "min_ratio": min(r["ratio"] for r in rates.values()), **over}, sort_keys=True))
+    print(
+        json.dumps(
+            {"bench": "wire", "engine": args.engine, "cpus": os.cpu_count(), "rates": rates, "min_ratio": min(r["ratio"] for r in rates.values()), **over},
+            sort_keys=True,
+        )
+    )
     return 0
 
 

@@ -59,7 +59,10 @@ def main(argv=None) -> int:
             end.synchronize()
             times.append(start.elapsed_time(end) / 1e3)
         t = statistics.median(times)
-        print(json.dumps({"bench": "gpu_sha256", "jobs": count, "message_bytes": size, "launch_s": round(t, 4), "gpu_gbps": round(count * size / t / 1e9, 2)}), flush=True)
+        print(
+            json.dumps({"bench": "gpu_sha256", "jobs": count, "message_bytes": size, "launch_s": round(t, 4), "gpu_gbps": round(count * size / t / 1e9, 2)}),
+            flush=True,
+        )
     # the CPU peer over host copies of the same messages
     msgs = [host_sample[i * size : (i + 1) * size].tobytes() for i in range(min(most, 64))]
     t0 = time.perf_counter()
@@ -70,7 +73,10 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         list(pool.map(lambda m: hashlib.sha256(m).digest(), msgs))
         many = len(msgs) * size / (time.perf_counter() - t0)
-    print(json.dumps({"bench": "cpu_sha256", "threads": args.threads, "one_thread_gbps": round(one / 1e9, 2), "all_threads_gbps": round(many / 1e9, 2)}), flush=True)
+    print(
+        json.dumps({"bench": "cpu_sha256", "threads": args.threads, "one_thread_gbps": round(one / 1e9, 2), "all_threads_gbps": round(many / 1e9, 2)}),
+        flush=True,
+    )
     return 0
 
 

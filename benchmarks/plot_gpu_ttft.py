@@ -1,6 +1,6 @@
 """Plot TTFT vs prompt length (restore from the store vs recompute) from bench_gpu.py JSON lines.
 
-    python3 benchmarks/plot_gpu_ttft.py docs/bench/h200_bench_gpu.jsonl docs/gpu_ttft.png
+python3 benchmarks/plot_gpu_ttft.py docs/bench/h200_bench_gpu.jsonl docs/gpu_ttft.png
 """
 
 from __future__ import annotations

@@ -31,8 +31,9 @@ def main() -> None:
     from kvpack.engine.transformers_adapter import TransformersEngine
     from kvpack.store import PackStore
 
-    spec = argparse.Namespace(device="cuda", dtype="f16", layers=32, hidden=4096, heads=32, kv_heads=8, head_dim=128,
-                              intermediate=14336, vocab=128256, seed=0, tokens=[args.tokens])
+    spec = argparse.Namespace(
+        device="cuda", dtype="f16", layers=32, hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=14336, vocab=128256, seed=0, tokens=[args.tokens]
+    )
     engine = TransformersEngine(build_model(spec, torch), device="cuda", prefill_chunk_tokens=256, max_context=args.tokens + 256)
     tokens = torch.randint(0, 128000, (args.tokens,), generator=torch.Generator().manual_seed(5)).tolist()
     s = engine.new_session()
@@ -55,8 +56,18 @@ def main() -> None:
             phases.append(rep.phases)
             del r
         mid = sorted(range(repeat), key=lambda i: times[i])[repeat // 2]
-        print(json.dumps({"variant": label, "tokens": args.tokens, "restore_s": [round(t, 4) for t in times], "median_s": round(statistics.median(times), 4),
-                          "phases": {k: round(v, 4) for k, v in phases[mid].items()}}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "variant": label,
+                    "tokens": args.tokens,
+                    "restore_s": [round(t, 4) for t in times],
+                    "median_s": round(statistics.median(times), 4),
+                    "phases": {k: round(v, 4) for k, v in phases[mid].items()},
+                }
+            ),
+            flush=True,
+        )
 
     measure("default", args.repeat)
     if args.tails:

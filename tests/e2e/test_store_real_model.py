@@ -24,8 +24,10 @@ from kvpack.store import PackStore  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-PROMPT = ("Describe, step by step, how a lighthouse keeper of the nineteenth century maintained the lamp, "
-          "the lens and the log book, and why each duty mattered to passing ships. ") * 16
+PROMPT = (
+    "Describe, step by step, how a lighthouse keeper of the nineteenth century maintained the lamp, "
+    "the lens and the log book, and why each duty mattered to passing ships. "
+) * 16
 
 SCRIPT = textwrap.dedent(
     """

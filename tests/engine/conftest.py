@@ -27,9 +27,7 @@ def random_tokens(n: int, vocab: int, seed: int = 1) -> list[int]:
 @pytest.fixture(scope="module")
 def cohere2_engine() -> TransformersEngine:
     # chunk 64 > window 24: chunks overlap the window boundary both ways.
-    return TransformersEngine(
-        build_cohere2(seed=0, num_hidden_layers=8, sliding_window=COHERE2_WINDOW), threads=THREADS, prefill_chunk_tokens=64
-    )
+    return TransformersEngine(build_cohere2(seed=0, num_hidden_layers=8, sliding_window=COHERE2_WINDOW), threads=THREADS, prefill_chunk_tokens=64)
 
 
 @pytest.fixture(scope="module")

@@ -105,9 +105,7 @@ def test_semantic_model_id_has_five_id32_in_spec_order():
     ids = _identity().ids()
     smid = ids.semantic_model_id()
     assert len(smid) == 5 and all(len(x) == 32 for x in smid)
-    assert ids.semantic_model_id_bytes() == b"".join(
-        [ids.weights_config, ids.adapters, ids.tokenizer_template, ids.position_semantics, ids.qualified_math]
-    )
+    assert ids.semantic_model_id_bytes() == b"".join([ids.weights_config, ids.adapters, ids.tokenizer_template, ids.position_semantics, ids.qualified_math])
     assert len(ids.family_ids()) == 3 and len(ids.encode()) == 256
     # Stable: the same identity built twice gives the same bytes.
     assert _identity().ids() == ids

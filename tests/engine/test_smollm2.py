@@ -38,9 +38,7 @@ def _prompt(engine, min_tokens: int) -> list[int]:
 def test_smollm2_layout_and_precision(smollm2_engine):
     layout = smollm2_engine.layout
     assert layout.num_layers == 30 and layout.vocab_size == 49152
-    assert {(s.kind, s.kv_heads, s.head_dim, s.dtype, s.position) for s in layout.layers} == {
-        (LAYER_FULL, 3, 64, "f32", "rope")
-    }
+    assert {(s.kind, s.kv_heads, s.head_dim, s.dtype, s.position) for s in layout.layers} == {(LAYER_FULL, 3, 64, "f32", "rope")}
     ident = smollm2_engine.identity
     assert ident.weight_precision.startswith("gguf:MOSTLY_Q4_1(") and ident.weight_precision.endswith("->float32")
     assert ident.scalars["config.rms_norm_eps"] == pytest.approx(1e-5)
@@ -52,15 +50,11 @@ def test_smollm2_export_install_decode_32_is_bit_identical(smollm2_engine):
     prompt = _prompt(smollm2_engine, 300)
     ref = smollm2_engine.new_session()
     ref.prefill(prompt)
-    exported = {
-        (layer, role): hashlib.sha256(ref.export_rows(layer, role, 0, ref.position)).digest()
-        for layer, role in ref.layout.states()
-    }
+    exported = {(layer, role): hashlib.sha256(ref.export_rows(layer, role, 0, ref.position)).digest() for layer, role in ref.layout.states()}
     restored = smollm2_engine.new_session()
     transfer_cut(ref, restored)
     restored_hashes = {
-        (layer, role): hashlib.sha256(restored.export_rows(layer, role, 0, restored.position)).digest()
-        for layer, role in restored.layout.states()
+        (layer, role): hashlib.sha256(restored.export_rows(layer, role, 0, restored.position)).digest() for layer, role in restored.layout.states()
     }
     assert restored_hashes == exported
     ref_tokens, ref_logits = ref.decode_greedy(32)

@@ -9,9 +9,9 @@ from kvpack.format.build import build_schema
 from kvpack.format.objects import Family, FamilyState, StateKey
 
 ids = st.binary(min_size=32, max_size=32).filter(lambda b: b != bytes(32))
-names = st.text(
-    alphabet=st.characters(blacklist_categories=("Cs",), blacklist_characters="\0"), min_size=1, max_size=12
-).filter(lambda s: 1 <= len(s.encode()) <= 255)
+names = st.text(alphabet=st.characters(blacklist_categories=("Cs",), blacklist_characters="\0"), min_size=1, max_size=12).filter(
+    lambda s: 1 <= len(s.encode()) <= 255
+)
 
 
 @st.composite

@@ -31,7 +31,9 @@ def _setup(combo):
     key, span, ref = next(manifest.chunk_refs())
     args = dict(ref=ref, span=span, tenant=manifest.tenant, family=manifest.family, key=key, keys=keys, family_digest=manifest.family.digest())
     inner, outer = hmac_sha256_pads(_schedule(keys, ref.key_epoch).chunk_identity)
-    head = inner + chunk_content_prefix(manifest.tenant, args["family_digest"], key.layer, key.name, span.token_start, span.token_count, span.plaintext_offset, span.plaintext_bytes)
+    head = inner + chunk_content_prefix(
+        manifest.tenant, args["family_digest"], key.layer, key.name, span.token_start, span.token_count, span.plaintext_offset, span.plaintext_bytes
+    )
 
     def external(data: bytes) -> ExternalDigests:
         """What the GPU computes: SHA-256 of the object, and the HMAC over the bytes where a

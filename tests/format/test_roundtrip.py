@@ -41,9 +41,7 @@ def _runs(draw_bytes):
     return draw_bytes
 
 
-runny = st.lists(st.tuples(st.integers(0, 255), st.integers(1, 300)), max_size=40).map(
-    lambda runs: b"".join(bytes([v]) * n for v, n in runs)
-)
+runny = st.lists(st.tuples(st.integers(0, 255), st.integers(1, 300)), max_size=40).map(lambda runs: b"".join(bytes([v]) * n for v, n in runs))
 
 
 @settings(max_examples=400, deadline=None)
@@ -94,9 +92,7 @@ def test_manifest_chunks_and_pack_round_trip(data):
     assert Manifest.decode(encoded) == manifest
     assert Schema.decode(schema.encode()) == schema
     pack_enc = data.draw(st.booleans())
-    pack = encode_pack(
-        manifest, keys, encrypted=pack_enc, salt=bytes(range(16)) if pack_enc else bytes(16), nonce=bytes(range(12)) if pack_enc else bytes(12)
-    )
+    pack = encode_pack(manifest, keys, encrypted=pack_enc, salt=bytes(range(16)) if pack_enc else bytes(16), nonce=bytes(range(12)) if pack_enc else bytes(12))
     assert len(pack) == 8192 + len(encoded) + (16 if pack_enc else 0)
     decoded, plain = decode_pack(pack, keys)
     assert decoded == manifest and plain == encoded

@@ -11,7 +11,6 @@ import pytest
 from kvpack.errors import FormatError
 from kvpack.format import (
     AtomicGroup,
-
     Span,
     StateKey,
     StatsSidecar,
@@ -255,9 +254,7 @@ def test_sidecar_fixture_and_rules():
         StatsSidecar.decode(tie.encode())
     assert info.value.category == "semantics"
     fam16 = replace(FAMILY, states=(replace(STATE, dtype=6, dims=(0, 4)),))
-    chunk = encode_chunk(
-        keys=KEYS, family_digest=fam16.digest(), key=STATE.key, span=Span(0, 4, 0, 32), plaintext=plaintext, codec=1, sidecar=encoded
-    )
+    chunk = encode_chunk(keys=KEYS, family_digest=fam16.digest(), key=STATE.key, span=Span(0, 4, 0, 32), plaintext=plaintext, codec=1, sidecar=encoded)
     plain_chunk = encode_chunk(keys=KEYS, family_digest=fam16.digest(), key=STATE.key, span=Span(0, 4, 0, 32), plaintext=plaintext, codec=1)
     assert chunk.object_key != plain_chunk.object_key  # the sidecar digest is bound into the key
     out = decode_chunk(chunk.obj, ref=chunk.ref, span=Span(0, 4, 0, 32), tenant=KEYS.tenant, family=fam16, key=STATE.key, keys=KEYS)
@@ -288,5 +285,3 @@ def test_pack_refusal_order():
     with pytest.raises(FormatError) as info:
         decode_pack(pack, other_epoch)
     assert info.value.category == "authentication"
-
-

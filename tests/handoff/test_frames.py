@@ -73,7 +73,15 @@ def test_header_key_order_is_free():
         (_raw(b"[1]"), "object"),
         (_raw(b'{"kind":"ack","transfer_id":"t","generation":1,"x":0}'), "unknown field"),
         (_raw(b'{"kind":"ack","transfer_id":"t","generation":1.0}'), "integer"),
-        (_raw(b'{"kind":"segment","sequence":1,"descriptor":{"sequence":2,"component_id":"t","role":"swa_tile","layer":0,"logical_start":0,"logical_count":1,"element_type":"f16_le","elements_per_token":1,"byte_len":2,"sha256":"' + b"0" * 64 + b'"}}', b"ab"), "descriptor sequence"),
+        (
+            _raw(
+                b'{"kind":"segment","sequence":1,"descriptor":{"sequence":2,"component_id":"t","role":"swa_tile","layer":0,"logical_start":0,"logical_count":1,"element_type":"f16_le","elements_per_token":1,"byte_len":2,"sha256":"'
+                + b"0" * 64
+                + b'"}}',
+                b"ab",
+            ),
+            "descriptor sequence",
+        ),
     ],
 )
 def test_reader_refusals(data, match):

@@ -108,8 +108,7 @@ def test_declared_descriptor_rules():
 
 def test_overlap_per_component_role_layer():
     t = OverlapTracker()
-    base = dict(sequence=0, component_id="t", role="swa_tile", layer=0, element_type="f16_le",
-                elements_per_token=1, sha256="0" * 64)
+    base = dict(sequence=0, component_id="t", role="swa_tile", layer=0, element_type="f16_le", elements_per_token=1, sha256="0" * 64)
 
     def d(start, count, **kw):
         return SegmentDescriptorV2(**{**base, **kw, "logical_start": start, "logical_count": count, "byte_len": 2 * count})

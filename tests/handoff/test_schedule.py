@@ -157,9 +157,7 @@ def test_generic_one_class_layout():
 
 
 def _cli(*args):
-    return subprocess.run(
-        [sys.executable, "-m", "kvpack.cli", "schedule", *args], capture_output=True, text=True, check=False
-    )
+    return subprocess.run([sys.executable, "-m", "kvpack.cli", "schedule", *args], capture_output=True, text=True, check=False)
 
 
 def test_cli_json():

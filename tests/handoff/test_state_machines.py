@@ -24,9 +24,7 @@ from ._support import TINY
 
 _M, _FRAMES, _INTENTS, _PAYLOADS, _S = build_transfer(deferred=True)
 _DECODED = decode_all(b"".join(_FRAMES))
-_BAD_SEAL = type(_DECODED[-1])(
-    SealManifestV2(_DECODED[-1].manifest.core, "0" * 64)
-)
+_BAD_SEAL = type(_DECODED[-1])(SealManifestV2(_DECODED[-1].manifest.core, "0" * 64))
 # The input alphabet: every real frame, plus hostile ones.
 RECEIVER_INPUTS = (
     [("frame", f) for f in _DECODED]

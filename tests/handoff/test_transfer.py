@@ -89,9 +89,7 @@ def test_order_prepare_reserve_commit():
 @pytest.mark.parametrize("deferred", MODES)
 def test_muse_delta_transfer(deferred):
     prompt = tuple(range(1000, 1301))  # 301-token request, position 300
-    m, frames, intents, payloads, _ = build_transfer(
-        layout=MUSE, position=300, cut=256, deferred=deferred, prompt=prompt[:-1]
-    )
+    m, frames, intents, payloads, _ = build_transfer(layout=MUSE, position=300, cut=256, deferred=deferred, prompt=prompt[:-1])
     assert len(intents) == 4 and all(i.logical_start == 256 for i in intents)
     exp = expectations(prompt)
     r, sink, _, err, _ = run(b"".join(frames), layout=MUSE, held=prompt[:256], exp=exp)

@@ -30,9 +30,13 @@ ENGINE = {"kind": "arrays", "layers": 4, "kv_heads": 4, "head_dim": 64, "vocab":
 API_KEY = "kvpack-test-api-key-0123456789abcdef"
 IDENTITY = {
     "identity": {
-        "adapter_sha256": "1" * 64, "chat_template_sha256": "2" * 64,
-        "context_policy_sha256": "3" * 64, "model_sha256": "4" * 64, "tokenizer_sha256": "5" * 64,
-        "model_revision": "m", "tokenizer_revision": "t",
+        "adapter_sha256": "1" * 64,
+        "chat_template_sha256": "2" * 64,
+        "context_policy_sha256": "3" * 64,
+        "model_sha256": "4" * 64,
+        "tokenizer_sha256": "5" * 64,
+        "model_revision": "m",
+        "tokenizer_revision": "t",
     },
     "target_cache_identity_sha256": "6" * 64,
 }
@@ -60,8 +64,9 @@ def write_secret(path: Path, text: str) -> str:
 class Node:
     """One decode node: config, home, and its ``kvpack decode-node-api`` process."""
 
-    def __init__(self, root: Path, cluster: Path, name: str, *, tls: bool = True, peer_key: bool = True,
-                 ssh_identity: str | None = None, engine: dict | None = None) -> None:
+    def __init__(
+        self, root: Path, cluster: Path, name: str, *, tls: bool = True, peer_key: bool = True, ssh_identity: str | None = None, engine: dict | None = None
+    ) -> None:
         self.name = name
         self.port = free_port()
         self.dir = root / f"node-{name}"
@@ -102,8 +107,9 @@ class Node:
             env["KVPACK_FAILPOINTS"] = failpoints
         env["PYTHONPATH"] = str(REPO / "src") + os.pathsep + env.get("PYTHONPATH", "")
         logf = open(self.log, "ab")
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvpack.cli", "decode-node-api", "--config", self.config],
-                                     env=env, stdout=logf, stderr=subprocess.STDOUT, cwd=str(self.dir))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvpack.cli", "decode-node-api", "--config", self.config], env=env, stdout=logf, stderr=subprocess.STDOUT, cwd=str(self.dir)
+        )
         logf.close()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -153,14 +159,14 @@ class Node:
             verify = False
             if self.tls:
                 verify = ssl.create_default_context(cafile=self.ca)
-            self._client = httpx.Client(base_url=self.url, verify=verify, headers={"authorization": f"Bearer {API_KEY}"},
-                                        timeout=120.0, trust_env=False)
+            self._client = httpx.Client(base_url=self.url, verify=verify, headers={"authorization": f"Bearer {API_KEY}"}, timeout=120.0, trust_env=False)
         return self._client
 
     # -- API helpers --------------------------------------------------------------------------------------
     def create(self, sid: str, n: int, seed: int = 1) -> dict:
-        r = self.client.post("/v1/sessions", json={"session_id": sid, "prompt_token_ids": tokens(n, seed),
-                                                    "messages": [{"role": "user", "content": f"prompt {sid}"}]})
+        r = self.client.post(
+            "/v1/sessions", json={"session_id": sid, "prompt_token_ids": tokens(n, seed), "messages": [{"role": "user", "content": f"prompt {sid}"}]}
+        )
         assert r.status_code == 201, r.text
         return r.json()
 
@@ -203,8 +209,13 @@ class Node:
         """``kvpack transfer reconcile ID --json`` as a real subprocess."""
         env = dict(os.environ, PYTHONPATH=str(REPO / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
         env.pop("KVPACK_FAILPOINTS", None)
-        p = subprocess.run([sys.executable, "-m", "kvpack.cli", "transfer", "reconcile", tid, "--config", self.config, "--json"],
-                           capture_output=True, text=True, env=env, timeout=300)
+        p = subprocess.run(
+            [sys.executable, "-m", "kvpack.cli", "transfer", "reconcile", tid, "--config", self.config, "--json"],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=300,
+        )
         assert p.stdout, p.stderr
         return p.returncode, json.loads(p.stdout)
 
@@ -271,8 +282,9 @@ class Sshd:
 
     def start(self) -> None:
         os.makedirs("/run/sshd", exist_ok=True) if os.getuid() == 0 else None
-        self.proc = subprocess.Popen([SSHD, "-D", "-e", "-f", str(self.config)], stdout=subprocess.DEVNULL,
-                                     stderr=open(self.root / "sshd.log", "ab"), start_new_session=True)
+        self.proc = subprocess.Popen(
+            [SSHD, "-D", "-e", "-f", str(self.config)], stdout=subprocess.DEVNULL, stderr=open(self.root / "sshd.log", "ab"), start_new_session=True
+        )
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -303,8 +315,25 @@ def sshd(tmp_path_factory, cluster):
     except (RuntimeError, OSError) as exc:
         pytest.skip(f"sshd cannot run here: {exc}")
     # enrollment records the address, user, pinned host key and lane dir of the storage node
-    assert kvpack_main(["storage-node", "pin", str(cluster), "st-a", "--address", f"127.0.0.1:{d.port}", "--user", d.user,
-                        "--host-key-file", str(root / "host_key.pub"), "--lane-dir", str(d.lane)]) == 0
+    assert (
+        kvpack_main(
+            [
+                "storage-node",
+                "pin",
+                str(cluster),
+                "st-a",
+                "--address",
+                f"127.0.0.1:{d.port}",
+                "--user",
+                d.user,
+                "--host-key-file",
+                str(root / "host_key.pub"),
+                "--lane-dir",
+                str(d.lane),
+            ]
+        )
+        == 0
+    )
     yield d
     d.stop()
 

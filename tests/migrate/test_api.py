@@ -36,8 +36,14 @@ def identity(node) -> dict:
 
 def prepare_body(node, tid="xfer-api", payload=b"p" * 100, **over) -> dict:
     body = {
-        "transfer_id": tid, "session_id": "sess-incoming", "source": "kvpack-decode-source", "mode": "copy", "tier": "decode",
-        "bytes": len(payload), "sha256": hashlib.sha256(payload).hexdigest(), "transport_key": base64.b64encode(b"k" * 32).decode(),
+        "transfer_id": tid,
+        "session_id": "sess-incoming",
+        "source": "kvpack-decode-source",
+        "mode": "copy",
+        "tier": "decode",
+        "bytes": len(payload),
+        "sha256": hashlib.sha256(payload).hexdigest(),
+        "transport_key": base64.b64encode(b"k" * 32).decode(),
         **identity(node),
     }
     body.update(over)
@@ -68,8 +74,12 @@ def test_every_route_refuses_missing_or_wrong_keys(node):
 
 def test_internal_routes_require_tls(nodes):
     plain = nodes("dec-c", tls=False).start()
-    for method, path in (("POST", "/__kvpack/v1/session-transfers/prepare"), ("PUT", "/__kvpack/v1/session-transfers/x/payload"),
-                         ("POST", "/__kvpack/v1/session-transfers/x/commit"), ("GET", "/__kvpack/v1/session-transfers/x/payload")):
+    for method, path in (
+        ("POST", "/__kvpack/v1/session-transfers/prepare"),
+        ("PUT", "/__kvpack/v1/session-transfers/x/payload"),
+        ("POST", "/__kvpack/v1/session-transfers/x/commit"),
+        ("GET", "/__kvpack/v1/session-transfers/x/payload"),
+    ):
         # with a valid key, and with forwarded headers claiming https: still refused
         r = plain.client.request(method, path, headers={"x-forwarded-proto": "https", "forwarded": "proto=https"})
         assert r.status_code == 403 and r.json()["error"]["type"] == "tls_required", (method, path)
@@ -78,7 +88,11 @@ def test_internal_routes_require_tls(nodes):
 
 def test_public_route_rules(node, nodes):
     c = node.client
-    r = c.post(f"/v1/sessions/{SID}/migrate", content=b'{"destination":"https://127.0.0.1:1","mode":"copy"}', headers={"content-type": "application/json; charset=utf-8"})
+    r = c.post(
+        f"/v1/sessions/{SID}/migrate",
+        content=b'{"destination":"https://127.0.0.1:1","mode":"copy"}',
+        headers={"content-type": "application/json; charset=utf-8"},
+    )
     assert r.status_code == 415 and r.json()["error"]["type"] == "invalid_request_error"
     r = c.post(f"/v1/sessions/{SID}/migrate", json={"destination": "https://127.0.0.1:1", "mode": "copy", "extra": 1})
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
@@ -117,8 +131,15 @@ def test_prepare_payload_commit_rules(node):
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
     r = c.post(f"{url}/prepare", json=prepare_body(node, model_sha256="0" * 64))
     assert r.status_code == 409 and r.json()["error"]["type"] == "identity_mismatch"
-    for over in ({"tier": "storage"}, {"bytes": 0}, {"bytes": 32 * 1024**3 + 1}, {"sha256": "A" * 64}, {"layout_abi": "muse-kv-layout-v1"},
-                 {"vision_projector_sha256": "1" * 64}, {"transport_key": "short"}):
+    for over in (
+        {"tier": "storage"},
+        {"bytes": 0},
+        {"bytes": 32 * 1024**3 + 1},
+        {"sha256": "A" * 64},
+        {"layout_abi": "muse-kv-layout-v1"},
+        {"vision_projector_sha256": "1" * 64},
+        {"transport_key": "short"},
+    ):
         r = c.post(f"{url}/prepare", json=prepare_body(node, **over))
         assert r.status_code == 400 and r.json()["error"]["type"] == "transfer_prepare_error", over
     assert c.post(f"{url}/prepare", json=prepare_body(node, bytes=1.0)).status_code == 400  # no float for an integer
@@ -182,9 +203,14 @@ def test_openapi_schemathesis_no_server_errors(node):
             headers = dict(kwargs.get("headers") or {})
             headers["authorization"] = f"Bearer {API_KEY}"
             with httpx.Client(verify=ctx, trust_env=False, timeout=30) as c:
-                r = c.request(kwargs["method"], kwargs["url"], headers=headers, params=kwargs.get("params"),
-                              content=kwargs.get("data") if not isinstance(kwargs.get("data"), dict) else None,
-                              json=kwargs.get("json"))
+                r = c.request(
+                    kwargs["method"],
+                    kwargs["url"],
+                    headers=headers,
+                    params=kwargs.get("params"),
+                    content=kwargs.get("data") if not isinstance(kwargs.get("data"), dict) else None,
+                    json=kwargs.get("json"),
+                )
             count += 1
             if r.status_code >= 500:
                 errors.append((kwargs["method"], kwargs["url"], r.status_code, r.text[:200]))

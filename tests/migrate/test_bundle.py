@@ -23,8 +23,9 @@ def engine():
 def make(engine, n=70):
     s = engine.new_session()
     s.prefill([(i * 5) % 64 for i in range(n)])
-    plain = B.export_bundle(s, session_id="sess-b", revision=3, sampler={"kind": "greedy"}, rng={"seed": 7},
-                            messages=[{"role": "user", "content": "hi \u00e9"}])
+    plain = B.export_bundle(
+        s, session_id="sess-b", revision=3, sampler={"kind": "greedy"}, rng={"seed": 7}, messages=[{"role": "user", "content": "hi \u00e9"}]
+    )
     return s, plain
 
 

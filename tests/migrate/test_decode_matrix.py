@@ -123,8 +123,7 @@ def test_row_crash_mid_upload_then_resume(nodes, record_property):
     total = b.journal("xfer-mid-upload")["bytes"]
     # the destination resumed from a durable offset at least one checkpoint in, and not past the crash
     assert 1024 * 1024 <= offset <= total_hint < total
-    figures = {"payload_bytes": total, "killed_after_sending": total_hint, "durable_offset": offset,
-               "resent_bytes": total - offset, "saved_vs_restart": offset}
+    figures = {"payload_bytes": total, "killed_after_sending": total_hint, "durable_offset": offset, "resent_bytes": total - offset, "saved_vs_restart": offset}
     record_property("resume_figures", json.dumps(figures))
     print("RESUME FIGURES", json.dumps(figures))
 

@@ -123,8 +123,7 @@ class Daemon:
     """A ``kvpack receiver|producer`` subprocess; waits for its ready line."""
 
     def __init__(self, args: list[str], *, timeout: float = 240.0) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvpack.cli", *args], stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvpack.cli", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.ready: dict | None = None
         self._timeout = timeout
 

@@ -37,8 +37,7 @@ def _socket_path(tmp_path, name):
 def test_producer_killed_mid_stream_is_refused(tmp_path):
     engine = load_engine("arrays:8:4:64")
     enrolled = Enrolled(str(tmp_path / "cluster"), engine)
-    producer = Daemon(["producer", "--config", enrolled.producer_config_path(), "--engine", "arrays:8:4:64",
-                       "--no-store", "--pacing-bytes-per-s", "8000000"])
+    producer = Daemon(["producer", "--config", enrolled.producer_config_path(), "--engine", "arrays:8:4:64", "--no-store", "--pacing-bytes-per-s", "8000000"])
     rdir = str(tmp_path / "rreceipts")
     node = ReceiverNode(enrolled.receiver_config(), engine, receipts_dir=rdir).start()
     try:
@@ -86,10 +85,8 @@ def test_smollm2_daemons_bit_exact_and_delta_equals_full(tmp_path):
     sock_a, sock_b = _socket_path(tmp_path, "a.sock"), _socket_path(tmp_path, "b.sock")
     daemons = [
         Daemon(["producer", "--config", enrolled.producer_config_path(), "--store", str(tmp_path / "pstore")]),
-        Daemon(["receiver", "--config", enrolled.receiver_config_path("decode-a"), "--socket", sock_a, "--no-store",
-                "--receipts", str(tmp_path / "ra")]),
-        Daemon(["receiver", "--config", enrolled.receiver_config_path("decode-b"), "--socket", sock_b, "--no-store",
-                "--receipts", str(tmp_path / "rb")]),
+        Daemon(["receiver", "--config", enrolled.receiver_config_path("decode-a"), "--socket", sock_a, "--no-store", "--receipts", str(tmp_path / "ra")]),
+        Daemon(["receiver", "--config", enrolled.receiver_config_path("decode-b"), "--socket", sock_b, "--no-store", "--receipts", str(tmp_path / "rb")]),
     ]
     try:
         p1 = chat_tokens(engine, DOC + " What does the decode node verify?")
@@ -125,8 +122,7 @@ def test_smollm2_daemons_bit_exact_and_delta_equals_full(tmp_path):
             assert max(f["bytes"] for f in t["control_frames"]) < 16 * len(p2) + 1024 < t["payload_bytes"] / 100
         metrics = http_get(daemons[1].ready["metrics_port"])
         assert 'kvpack_transfers_total{role="receiver",verdict="committed"} 2.0' in metrics
-        pr = [r for r in receipts(os.path.join(os.path.dirname(enrolled.producer_config_path()), "receipts"))
-              if r.get("verdict") == "committed"]
+        pr = [r for r in receipts(os.path.join(os.path.dirname(enrolled.producer_config_path()), "receipts")) if r.get("verdict") == "committed"]
         assert len(pr) == 3 and pr[-1]["prefix_cut"] == 256
         print(json.dumps({"full": tf["payload_bytes"], "delta": td["payload_bytes"], "ttft_full": a1["ttft_s"]}))
     finally:

@@ -58,10 +58,14 @@ class Nodes:
         self.receiver = self._receiver(advertised_port)
 
     def _producer(self):
-        return ProducerNode(self.pcfg, self.producer_engine, receipts_dir=self.pdir, wire_tap=self.wire_tap,
-                            accept_prefix_cut_extension=not self.strict_producer,
-                            store=PackStore.open(p) if os.path.exists(os.path.join(p := os.path.join(self.tmp, "pstore"), "store.json"))
-                            else PackStore.init(p)).start()
+        return ProducerNode(
+            self.pcfg,
+            self.producer_engine,
+            receipts_dir=self.pdir,
+            wire_tap=self.wire_tap,
+            accept_prefix_cut_extension=not self.strict_producer,
+            store=PackStore.open(p) if os.path.exists(os.path.join(p := os.path.join(self.tmp, "pstore"), "store.json")) else PackStore.init(p),
+        ).start()
 
     def _receiver(self, advertised_port=None):
         return ReceiverNode(self.rcfg, self.engine, receipts_dir=self.rdir, advertised_port=advertised_port).start()

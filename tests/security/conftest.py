@@ -34,11 +34,9 @@ class Pki:
     other_ca: str
     leaves: dict[str, Leaf]
 
-    def endpoint(self, leaf: str, pins: list[str], *, alpn: str = DATA_ALPN, ca: str | None = None,
-                 server_name: str | None = "localhost") -> TlsEndpoint:
+    def endpoint(self, leaf: str, pins: list[str], *, alpn: str = DATA_ALPN, ca: str | None = None, server_name: str | None = "localhost") -> TlsEndpoint:
         lf = self.leaves[leaf]
-        return TlsEndpoint(lf.cert, lf.key, ca or self.ca, frozenset(pins), alpn, server_name,
-                           handshake_timeout=5.0)
+        return TlsEndpoint(lf.cert, lf.key, ca or self.ca, frozenset(pins), alpn, server_name, handshake_timeout=5.0)
 
 
 def _write_leaf(root: str, name: str, ca_key, ca_cert, **kw) -> Leaf:
@@ -65,8 +63,7 @@ def tls_pki(tmp_path_factory) -> Pki:
         # Same CA, valid, but nobody pins it.
         "intruder": _write_leaf(root, "intruder", ca_key, ca_cert),
         "rogue-server": _write_leaf(root, "rogue-server", ca_key, ca_cert),
-        "expired": _write_leaf(root, "expired", ca_key, ca_cert,
-                               not_before=now - dt.timedelta(days=30), not_after=now - dt.timedelta(days=1)),
+        "expired": _write_leaf(root, "expired", ca_key, ca_cert, not_before=now - dt.timedelta(days=30), not_after=now - dt.timedelta(days=1)),
         "foreign": _write_leaf(root, "foreign", other_key, other_cert),
     }
     return Pki(root, ca_path, other_path, leaves)

@@ -20,9 +20,13 @@ from kvpack.security.tls import TlsEndpoint, accept, connect, listen
 
 IDENTITY = {
     "identity": {
-        "adapter_sha256": "1" * 64, "chat_template_sha256": "2" * 64,
-        "context_policy_sha256": "3" * 64, "model_sha256": "4" * 64, "tokenizer_sha256": "5" * 64,
-        "model_revision": "m", "tokenizer_revision": "t",
+        "adapter_sha256": "1" * 64,
+        "chat_template_sha256": "2" * 64,
+        "context_policy_sha256": "3" * 64,
+        "model_sha256": "4" * 64,
+        "tokenizer_sha256": "5" * 64,
+        "model_revision": "m",
+        "tokenizer_revision": "t",
     },
     "target_cache_identity_sha256": "6" * 64,
 }
@@ -141,8 +145,9 @@ def test_rotation_refuses_old_certificate_and_bumps_epoch(cluster, tmp_path):
     assert open(rcfg.replay_ledger, "rb").read() == ledger_before  # never reset
 
     # The old producer certificate (still chaining to the same CA) is refused by pin.
-    old_ep = TlsEndpoint(str(old_tls / "node.crt"), str(old_tls / "node.key"), str(old_tls / "ca.crt"),
-                         old_producer.receiver("dec-a").leaf_sha256, "muser-kvpack-v2", "dec-a")
+    old_ep = TlsEndpoint(
+        str(old_tls / "node.crt"), str(old_tls / "node.key"), str(old_tls / "ca.crt"), old_producer.receiver("dec-a").leaf_sha256, "muser-kvpack-v2", "dec-a"
+    )
     server, client = handshake(new_r.data_endpoint(), old_ep)
     assert isinstance(server, SecurityError) and server.category == "pin"
     assert isinstance(client, SecurityError)
@@ -161,8 +166,7 @@ def test_rotation_refuses_old_certificate_and_bumps_epoch(cluster, tmp_path):
 
 def test_ca_rotation_reissues_everything(cluster):
     before = load_producer_config(node(cluster, "pre-a", "producer.json"))
-    old = TlsEndpoint(before.certificate_chain, before.private_key, before.peer_ca,
-                      before.receiver("dec-a").leaf_sha256, "muser-kvpack-v2", "dec-a")
+    old = TlsEndpoint(before.certificate_chain, before.private_key, before.peer_ca, before.receiver("dec-a").leaf_sha256, "muser-kvpack-v2", "dec-a")
     # Keep the old material readable after rotation by copying it aside.
     saved = {}
     for attr in ("certificate_chain", "private_key", "peer_ca"):
@@ -181,8 +185,7 @@ def test_ca_rotation_reissues_everything(cluster):
         with open(paths[attr], "wb") as fh:
             fh.write(data)
         os.chmod(paths[attr], 0o600)
-    old_ep = TlsEndpoint(paths["certificate_chain"], paths["private_key"], paths["peer_ca"],
-                         old.peer_pins, "muser-kvpack-v2", "dec-a")
+    old_ep = TlsEndpoint(paths["certificate_chain"], paths["private_key"], paths["peer_ca"], old.peer_pins, "muser-kvpack-v2", "dec-a")
     server, client = handshake(r.data_endpoint(), old_ep)
     assert isinstance(server, SecurityError) and server.category == "certificate"
 
@@ -190,14 +193,14 @@ def test_ca_rotation_reissues_everything(cluster):
 def test_enrollment_refusals_leave_registry_unchanged(cluster, tmp_path, capsys):
     registry = os.path.join(cluster, "cluster.json")
     before = open(registry, "rb").read()
-    assert cli("node", cluster, "pre-a", "--role", "producer") == 1       # already enrolled
-    assert cli("node", cluster, "Bad_Name", "--role", "producer") == 1    # not a DNS label
-    assert cli("node", cluster, "ghost", "--rotate") == 1                 # nothing to rotate
+    assert cli("node", cluster, "pre-a", "--role", "producer") == 1  # already enrolled
+    assert cli("node", cluster, "Bad_Name", "--role", "producer") == 1  # not a DNS label
+    assert cli("node", cluster, "ghost", "--rotate") == 1  # nothing to rotate
     assert cli("node", cluster, "dec-a", "--rotate", "--role", "producer") == 1  # role change
-    assert cli("init", cluster) == 1                                      # already initialised
+    assert cli("init", cluster) == 1  # already initialised
     bare = str(tmp_path / "bare")
     assert cli("init", bare) == 0
-    assert cli("node", bare, "dec-b", "--role", "receiver") == 1          # no identity known
+    assert cli("node", bare, "dec-b", "--role", "receiver") == 1  # no identity known
     err = capsys.readouterr().err
     assert err.count("refused enrollment") == 6
     assert open(registry, "rb").read() == before

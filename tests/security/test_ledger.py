@@ -41,8 +41,7 @@ def test_created_empty_with_rust_bytes_and_mode(tmp_path):
         assert os.stat(path).st_mode & 0o777 == 0o600
         led.reserve("loop-key", 1, 3)
         led.reserve("a:b", 2, 1)
-    assert read(path) == (b'{\n  "highest_generation": {\n    "a:b:2": 1,\n'
-                          b'    "loop-key:1": 3\n  }\n}\n')
+    assert read(path) == (b'{\n  "highest_generation": {\n    "a:b:2": 1,\n    "loop-key:1": 3\n  }\n}\n')
     assert decode_ledger(read(path)) == {"a:b:2": 1, "loop-key:1": 3}
 
 

@@ -55,16 +55,14 @@ def test_probe_statistics_are_consistent(tmp_path):
 
 
 def test_cli_json_and_exit_codes(tmp_path, capsys):
-    assert main(["probe-volume", str(tmp_path), "--iterations", "5", "--max-tail-ms", "10000",
-                 "--json"]) == 0
+    assert main(["probe-volume", str(tmp_path), "--iterations", "5", "--max-tail-ms", "10000", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["iterations"] == 5 and doc["ok"] is True
     for key in ("min_ms", "median_ms", "p99_ms", "max_ms"):
         assert isinstance(doc[key], float)
     assert doc["min_ms"] <= doc["median_ms"] <= doc["p99_ms"] <= doc["max_ms"]
     # Past the tail: exit 1 (a zero-millisecond budget cannot be met by a real fsync).
-    assert main(["probe-volume", str(tmp_path), "--iterations", "3", "--max-tail-ms", "0",
-                 "--json"]) == 1
+    assert main(["probe-volume", str(tmp_path), "--iterations", "3", "--max-tail-ms", "0", "--json"]) == 1
     assert json.loads(capsys.readouterr().out)["ok"] is False
     assert main(["probe-volume", str(tmp_path / "missing")]) == 1
     assert "refused volume" in capsys.readouterr().err

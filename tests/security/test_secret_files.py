@@ -122,8 +122,7 @@ def test_private_key_bound_and_mode(tmp_path):
 
 def test_reader_category_is_configurable(tmp_path):
     with pytest.raises(SecurityError) as info:
-        read_protected_file(write(tmp_path / "l.json", b"{}", 0o644), what="replay ledger",
-                            max_size=10, category="ledger")
+        read_protected_file(write(tmp_path / "l.json", b"{}", 0o644), what="replay ledger", max_size=10, category="ledger")
     assert info.value.category == "ledger"
 
 

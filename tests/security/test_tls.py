@@ -38,8 +38,7 @@ def message(generation: int, body: bytes) -> bytes:
     return generation.to_bytes(8, "little") + len(body).to_bytes(8, "little") + body
 
 
-def raw_client(pki, *, cert: str | None = "client", alpn: tuple[str, ...] | list[str] | None = (DATA_ALPN,),
-               tls12: bool = False) -> ssl.SSLContext:
+def raw_client(pki, *, cert: str | None = "client", alpn: tuple[str, ...] | list[str] | None = (DATA_ALPN,), tls12: bool = False) -> ssl.SSLContext:
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     ctx.load_verify_locations(pki.ca)
     if tls12:
@@ -107,8 +106,7 @@ def test_asyncio_channel_round_trip_and_refusal(tls_pki, ledger):
         await ch.send(b"ack:" + body[:16])
 
     async def main():
-        server = await start_server(server_ep, handler, "127.0.0.1", 0,
-                                    on_refused=lambda err, peer: refused.append(err))
+        server = await start_server(server_ep, handler, "127.0.0.1", 0, on_refused=lambda err, peer: refused.append(err))
         port = server.sockets[0].getsockname()[1]
         try:
             # An unpinned client: refused by the server; the handler never runs.
@@ -258,8 +256,7 @@ def test_server_with_unpinned_leaf_refused(tls_pki, tls_server, ledger):
 def test_server_name_must_match_san(tls_pki, tls_server, ledger):
     run = tls_server(tls_pki.endpoint("server", [tls_pki.leaves["client"].pin]), ledger=ledger)
     with pytest.raises(SecurityError) as info:
-        connect(tls_pki.endpoint("client", [tls_pki.leaves["server"].pin]), "127.0.0.1", run.port,
-                server_name="muser-prefilld")
+        connect(tls_pki.endpoint("client", [tls_pki.leaves["server"].pin]), "127.0.0.1", run.port, server_name="muser-prefilld")
     assert info.value.category == "certificate" and "mismatch" in info.value.message.lower()
     assert run.done.wait(10)
 

@@ -78,5 +78,17 @@ def test_generate_reuses_the_stored_prefix_and_gives_the_same_text(tmp_path):
     assert c["reused_tokens"] % 256 == 0 and c["reused_tokens"] >= 256
     assert c["prefilled_tokens"] == c["prompt_tokens"] - c["reused_tokens"]
     # the same prompt without the store gives the same text (reuse changes nothing)
-    fresh = run("generate", "--store", str(tmp_path / "empty"), "--no-save", "--prompt", prompt + " And one about Mars.", "--max-new-tokens", "4", "--json", "--threads", "2")
+    fresh = run(
+        "generate",
+        "--store",
+        str(tmp_path / "empty"),
+        "--no-save",
+        "--prompt",
+        prompt + " And one about Mars.",
+        "--max-new-tokens",
+        "4",
+        "--json",
+        "--threads",
+        "2",
+    )
     assert json.loads(fresh.stdout)["tokens"] == c["tokens"]

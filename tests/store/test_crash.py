@@ -109,7 +109,9 @@ def test_sigkill_during_save_loop(tmp_path):
         base = 3 * i
         proc = subprocess.Popen(
             [sys.executable, "-c", CHILD.format(tests=tests_dir, path=store.path, base=base)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         assert proc.stdout.readline().strip() == "ready", proc.stderr.read()
         time.sleep(rng.uniform(0.0, 0.3))

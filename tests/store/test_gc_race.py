@@ -40,7 +40,9 @@ def test_gc_racing_a_publisher_process(tmp_path):
     rounds = 12
     proc = subprocess.Popen(
         [sys.executable, "-c", PUBLISHER.format(tests=tests_dir, path=store.path, rounds=rounds)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     assert proc.stdout.readline().strip() == "ready"
     collections = 0

@@ -92,8 +92,18 @@ def _restore_child(store_dir: str, tokens_file: str, n: int) -> int:
     rep = store.restore(hit, s, tokens)
     eos = engine.tokenizer.eos_token_id
     out, rows = greedy(s, n, [eos] if eos is not None else ())
-    print(json.dumps({"ok": True, "cut": hit.cut, "restore_s": rep.seconds, "bytes_verified": rep.bytes_verified,
-                      "tokens": out, "logits_sha256": hashlib.sha256(logits_bytes(rows)).hexdigest()}))
+    print(
+        json.dumps(
+            {
+                "ok": True,
+                "cut": hit.cut,
+                "restore_s": rep.seconds,
+                "bytes_verified": rep.bytes_verified,
+                "tokens": out,
+                "logits_sha256": hashlib.sha256(logits_bytes(rows)).hexdigest(),
+            }
+        )
+    )
     return 0
 
 
@@ -127,10 +137,11 @@ def run_demo(max_new_tokens: int = 24, *, quiet: bool = False) -> dict:
         rstore = PackStore.init(os.path.join(tmp, "decode-store"))
         pstore = PackStore.init(os.path.join(tmp, "prefill-store"))
     producer = ProducerNode(pcfg, engine, receipts_dir=os.path.join(tmp, "prefill-receipts"), store=pstore).start()
-    receiver = ReceiverNode(rcfg, engine, receipts_dir=os.path.join(tmp, "decode-receipts"), store=rstore,
-                            socket_path=None).start()
-    say(f"cluster in {tmp}: producer control 127.0.0.1:{producer.control_port}, receiver data "
-        f"127.0.0.1:{receiver.data_port}, metrics 127.0.0.1:{receiver.metrics.port} / :{producer.metrics.port}")
+    receiver = ReceiverNode(rcfg, engine, receipts_dir=os.path.join(tmp, "decode-receipts"), store=rstore, socket_path=None).start()
+    say(
+        f"cluster in {tmp}: producer control 127.0.0.1:{producer.control_port}, receiver data "
+        f"127.0.0.1:{receiver.data_port}, metrics 127.0.0.1:{receiver.metrics.port} / :{producer.metrics.port}"
+    )
     try:
         p1 = chat_tokens(engine, DOCUMENT + "\n\n" + QUESTION_1)
         p2 = chat_tokens(engine, DOCUMENT + "\n\n" + QUESTION_2)
@@ -155,10 +166,15 @@ def run_demo(max_new_tokens: int = 24, *, quiet: bool = False) -> dict:
         answer1 = engine.decode(r1["tokens"])
         say(f"\nQ1 ({len(p1)} prompt tokens): {QUESTION_1}\nA1: {answer1.strip()}")
         say(f"  bit-exact vs local decoding (tokens and {len(r1['tokens'])} logits rows): {exact1}")
-        say(f"  full handoff: {t1['payload_bytes']:,} B in {t1['segments']} sealed tiles, {gbps:.2f} Gbit/s while sending; "
-            f"producer prefilled {pr1.get('prefill_tokens')} tokens")
-        say(f"  TTFT {r1['ttft_s']:.3f} s = " + ", ".join(f"{k[:-2]} {v:.4f}" for k, v in split.items() if v is not None)
-            + " (prefill and wire overlap: tiles stream per chunk)")
+        say(
+            f"  full handoff: {t1['payload_bytes']:,} B in {t1['segments']} sealed tiles, {gbps:.2f} Gbit/s while sending; "
+            f"producer prefilled {pr1.get('prefill_tokens')} tokens"
+        )
+        say(
+            f"  TTFT {r1['ttft_s']:.3f} s = "
+            + ", ".join(f"{k[:-2]} {v:.4f}" for k, v in split.items() if v is not None)
+            + " (prefill and wire overlap: tiles stream per chunk)"
+        )
         with status(f"local reference for the follow-up ({len(p2)} tokens) ..."):
             ref2 = _local_reference(engine, p2, max_new_tokens, stops)
         with status("follow-up: resident prefix arms a delta; producer prefills only the suffix ..."):
@@ -168,9 +184,11 @@ def run_demo(max_new_tokens: int = 24, *, quiet: bool = False) -> dict:
         exact2 = r2["tokens"] == ref2["tokens"] and r2["logits_sha256"] == ref2["logits_sha256"]
         full_equiv = receiver.geometry.tile_bytes(len(p2) - 1)
         say(f"\nQ2: {QUESTION_2}\nA2: {engine.decode(r2['tokens']).strip()}")
-        say(f"  delta handoff (prefix_cut {t2['prefix_cut']}, {r2['plan']['tier']} tier): {t2['payload_bytes']:,} B "
+        say(
+            f"  delta handoff (prefix_cut {t2['prefix_cut']}, {r2['plan']['tier']} tier): {t2['payload_bytes']:,} B "
             f"instead of {full_equiv:,} B ({100 * (1 - t2['payload_bytes'] / full_equiv):.1f} % saved); producer "
-            f"prefilled {pr2.get('prefill_tokens')} of {len(p2) - 1} tokens ({len(p2) - 1 - pr2.get('prefill_tokens', 0)} not recomputed)")
+            f"prefilled {pr2.get('prefill_tokens')} of {len(p2) - 1} tokens ({len(p2) - 1 - pr2.get('prefill_tokens', 0)} not recomputed)"
+        )
         say(f"  bit-exact vs local decoding: {exact2}")
         tokens_file = os.path.join(tmp, "prompt2.json")
         with open(tokens_file, "w", encoding="utf-8") as fh:
@@ -178,15 +196,19 @@ def run_demo(max_new_tokens: int = 24, *, quiet: bool = False) -> dict:
         with status("restoring the saved cut in a new process and decoding ..."):
             child = subprocess.run(
                 [sys.executable, "-m", "kvpack.commands.demo", "--restore-child", rstore.path, tokens_file, str(max_new_tokens)],
-                capture_output=True, text=True, timeout=300,
+                capture_output=True,
+                text=True,
+                timeout=300,
             )
         try:
             restored = json.loads(child.stdout.strip().splitlines()[-1])
         except (IndexError, ValueError):
             restored = {"ok": False, "error": child.stderr[-2000:]}
         exact3 = bool(restored.get("ok")) and restored["tokens"] == r2["tokens"] and restored["logits_sha256"] == r2["logits_sha256"]
-        say(f"  saved to the durable store ({r2['saved']['kind']} pack, cut {r2['saved']['cut']}); new process restored "
-            f"{restored.get('bytes_verified', 0):,} verified bytes and decoded identically: {exact3}")
+        say(
+            f"  saved to the durable store ({r2['saved']['kind']} pack, cut {r2['saved']['cut']}); new process restored "
+            f"{restored.get('bytes_verified', 0):,} verified bytes and decoded identically: {exact3}"
+        )
         out = {
             "bit_exact": bool(exact1 and exact2 and exact3),
             "bit_exact_full": exact1,

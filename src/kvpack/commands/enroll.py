@@ -23,21 +23,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     init = sub.add_parser("init", help="create the cluster CA (or rotate it with --rotate)")
     init.add_argument("dir")
     init.add_argument("--identity", help="default model identity JSON for receivers")
-    init.add_argument("--rotate", action="store_true",
-                      help="replace the CA, re-key every node, bump every HMAC epoch")
+    init.add_argument("--rotate", action="store_true", help="replace the CA, re-key every node, bump every HMAC epoch")
     init.set_defaults(func=_init)
 
     node = sub.add_parser("node", help="enroll a node (or re-key it with --rotate)")
     node.add_argument("dir")
     node.add_argument("name")
     node.add_argument("--role", choices=("receiver", "producer", "storage"))
-    node.add_argument("--rotate", action="store_true",
-                      help="new key and certificate; bump the HMAC epoch of its pairs")
+    node.add_argument("--rotate", action="store_true", help="new key and certificate; bump the HMAC epoch of its pairs")
     node.add_argument("--listen", help="receiver Handoff V2 listen address (ip:port)")
     node.add_argument("--control-listen", help="producer control listen address (ip:port)")
     node.add_argument("--identity", help="model identity JSON this receiver admits")
-    node.add_argument("--san", action="append", default=[],
-                      help="extra subjectAltName (e.g. muser-prefilld for the genuine producer)")
+    node.add_argument("--san", action="append", default=[], help="extra subjectAltName (e.g. muser-prefilld for the genuine producer)")
     node.add_argument("--days", type=int, default=365, help="leaf validity in days")
     node.set_defaults(func=_node)
 
@@ -72,12 +69,11 @@ def _node(args: argparse.Namespace) -> int:
         raise SecurityError("enrollment", "--role is required when enrolling a new node")
     identity = load_identity_file(args.identity) if args.identity else None
     cluster = Cluster.open(args.dir)
-    entry = cluster.enroll_node(args.name, args.role, rotate=args.rotate, listen=args.listen,
-                                control_listen=args.control_listen, identity=identity,
-                                extra_sans=args.san, days=args.days)
+    entry = cluster.enroll_node(
+        args.name, args.role, rotate=args.rotate, listen=args.listen, control_listen=args.control_listen, identity=identity, extra_sans=args.san, days=args.days
+    )
     verb = "rotated" if args.rotate else "enrolled"
-    print(f"{verb} {entry['role']} {args.name}: leaf sha256 {entry['leaf_sha256']}, "
-          f"expires {entry['not_after']}")
+    print(f"{verb} {entry['role']} {args.name}: leaf sha256 {entry['leaf_sha256']}, expires {entry['not_after']}")
     for pair in cluster.registry["pairs"]:
         if args.name in (pair["producer"], pair["receiver"]):
             print(f"  pair {pair['key_id']}: epoch {pair['epoch']}")

@@ -122,14 +122,16 @@ def _print(view: dict, as_json: bool) -> None:
         print(json.dumps(view, indent=2))
     else:
         extra = f" last_error={view['last_error']}" if view.get("last_error") else ""
-        print(f"{view['id']} {view['status']} session={view['session_id']} {view['mode']} {view['tier']} -> {view['destination']} "
-              f"bytes={view['bytes']} source_deleted={str(view['source_deleted']).lower()}{extra}")
+        print(
+            f"{view['id']} {view['status']} session={view['session_id']} {view['mode']} {view['tier']} -> {view['destination']} "
+            f"bytes={view['bytes']} source_deleted={str(view['source_deleted']).lower()}{extra}"
+        )
 
 
 def cmd_migrate(args) -> int:
     to = args.to
     if to.startswith("storage:"):
-        tier, destination = "storage", to[len("storage:"):]
+        tier, destination = "storage", to[len("storage:") :]
     elif to == "local":
         tier, destination = "storage", "local"
     else:
@@ -172,5 +174,7 @@ def cmd_pin(args) -> int:
     with open(args.host_key_file, encoding="ascii") as fh:
         line = fh.read().strip()
     entry = Cluster.open(args.cluster_dir).set_storage_ssh(args.name, address=args.address, user=args.user, host_key=line, lane_dir=args.lane_dir)
-    print(f"storage node {args.name}: ssh {entry['ssh']['user']}@{entry['ssh']['address']} host key {entry['ssh']['host_key_sha256']} lane {entry['ssh']['lane_dir']}")
+    print(
+        f"storage node {args.name}: ssh {entry['ssh']['user']}@{entry['ssh']['address']} host key {entry['ssh']['host_key_sha256']} lane {entry['ssh']['lane_dir']}"
+    )
     return 0

@@ -53,13 +53,27 @@ def cmd_receiver(args: argparse.Namespace) -> int:
     engine = _engine(args)
     store = None if args.no_store else _store(args.store, os.path.join(base, "state", "store"))
     node = ReceiverNode(
-        cfg, engine, receipts_dir=args.receipts or os.path.join(base, "receipts"), store=store,
-        metrics_port=args.metrics_port, advertised_port=args.advertise_port,
+        cfg,
+        engine,
+        receipts_dir=args.receipts or os.path.join(base, "receipts"),
+        store=store,
+        metrics_port=args.metrics_port,
+        advertised_port=args.advertise_port,
         socket_path=args.socket or os.path.join(base, "state", "receiver.sock"),
     ).start()
-    print(json.dumps({"ready": True, "role": "receiver", "data_port": node.data_port, "metrics_port": node.metrics.port,
-                      "socket": node.socket_path, "ledger_probe_max_ms": None if node.probe is None else round(node.probe.max_ms, 3)}),
-          flush=True)
+    print(
+        json.dumps(
+            {
+                "ready": True,
+                "role": "receiver",
+                "data_port": node.data_port,
+                "metrics_port": node.metrics.port,
+                "socket": node.socket_path,
+                "ledger_probe_max_ms": None if node.probe is None else round(node.probe.max_ms, 3),
+            }
+        ),
+        flush=True,
+    )
     return _serve_until_signal(node.stop)
 
 
@@ -72,11 +86,14 @@ def cmd_producer(args: argparse.Namespace) -> int:
     engine = _engine(args)
     store = None if args.no_store else _store(args.store, os.path.join(base, "state", "store"))
     node = ProducerNode(
-        cfg, engine, receipts_dir=args.receipts or os.path.join(base, "receipts"), store=store,
-        metrics_port=args.metrics_port, pacing_bytes_per_s=args.pacing_bytes_per_s,
+        cfg,
+        engine,
+        receipts_dir=args.receipts or os.path.join(base, "receipts"),
+        store=store,
+        metrics_port=args.metrics_port,
+        pacing_bytes_per_s=args.pacing_bytes_per_s,
     ).start()
-    print(json.dumps({"ready": True, "role": "producer", "control_port": node.control_port,
-                      "metrics_port": node.metrics.port}), flush=True)
+    print(json.dumps({"ready": True, "role": "producer", "control_port": node.control_port, "metrics_port": node.metrics.port}), flush=True)
     return _serve_until_signal(node.stop)
 
 
@@ -96,8 +113,11 @@ def cmd_request(args: argparse.Namespace) -> int:
         res = reply["result"]
         print(res.get("text", res["tokens"]))
         t = res.get("transfer") or {}
-        print(f"[{res['plan']['action']} via {res['plan']['tier']}; ttft {res['ttft_s']:.3f} s; "
-              f"payload {t.get('payload_bytes', 0)} B; prefix_cut {t.get('prefix_cut', 0)}]", file=sys.stderr)
+        print(
+            f"[{res['plan']['action']} via {res['plan']['tier']}; ttft {res['ttft_s']:.3f} s; "
+            f"payload {t.get('payload_bytes', 0)} B; prefix_cut {t.get('prefix_cut', 0)}]",
+            file=sys.stderr,
+        )
     else:
         print(f"refused {reply['error']['reason']}: {reply['error']['detail']}", file=sys.stderr)
     return 0 if reply.get("ok") else 1

@@ -32,9 +32,11 @@ def _run(args: argparse.Namespace) -> int:
         doc["ok"] = ok
         print(json.dumps(doc, sort_keys=True))
     else:
-        print(f"{result.directory}: {len(result.samples_ms)} reservations, min {result.min_ms:.3f} ms, "
-              f"median {result.median_ms:.3f} ms, p99 {result.p99_ms:.3f} ms, max {result.max_ms:.3f} ms "
-              f"(limit {args.max_tail_ms:g} ms): {'ok' if ok else 'TOO SLOW'}")
+        print(
+            f"{result.directory}: {len(result.samples_ms)} reservations, min {result.min_ms:.3f} ms, "
+            f"median {result.median_ms:.3f} ms, p99 {result.p99_ms:.3f} ms, max {result.max_ms:.3f} ms "
+            f"(limit {args.max_tail_ms:g} ms): {'ok' if ok else 'TOO SLOW'}"
+        )
         if not ok:
             print("a replay ledger here would stall commits; keep it on the internal disk")
     return 0 if ok else 1

@@ -48,10 +48,7 @@ def _run(args: argparse.Namespace) -> int:
     print(f"{'seq':>5} {'role':<10} {'layer':>5} {'start':>8} {'count':>6} {'ept':>6} {'bytes':>10}")
     for s in segs:
         layer = "-" if s.layer is None else str(s.layer)
-        print(
-            f"{s.sequence:>5} {s.role:<10} {layer:>5} {s.logical_start:>8} {s.logical_count:>6} "
-            f"{s.elements_per_token:>6} {s.byte_len:>10}"
-        )
+        print(f"{s.sequence:>5} {s.role:<10} {layer:>5} {s.logical_start:>8} {s.logical_count:>6} {s.elements_per_token:>6} {s.byte_len:>10}")
     print(
         f"segments {len(segs)}  payload {total:,} B  nope {summary['nope_bytes']:,} B  "
         f"swa {summary['swa_bytes']:,} B  share of full {100 * summary['share_of_full']:.4f} %"

@@ -162,7 +162,9 @@ def cmd_verify(args) -> int:
     else:
         for problem in report["problems"]:
             print(f"problem: {problem}")
-        print(f"{'ok' if report['ok'] else 'FAILED'}: {report['cuts']} cuts, {report['chunks_checked']} chunks {'read and verified' if args.read_data else 'checked'}")
+        print(
+            f"{'ok' if report['ok'] else 'FAILED'}: {report['cuts']} cuts, {report['chunks_checked']} chunks {'read and verified' if args.read_data else 'checked'}"
+        )
     return 0 if report["ok"] else 1
 
 

@@ -21,12 +21,18 @@ from .contract import cache_digest as contract_cache_digest
 from .contract import state_digest as contract_state_digest
 
 
-def array_layout(layers: int = 4, kv_heads: int = 2, head_dim: int = 8, dtype: str = "f32", windowed: dict[int, int] | None = None, vocab: int = 64) -> CacheLayout:
+def array_layout(
+    layers: int = 4, kv_heads: int = 2, head_dim: int = 8, dtype: str = "f32", windowed: dict[int, int] | None = None, vocab: int = 64
+) -> CacheLayout:
     windowed = windowed or {}
     specs = []
     for i in range(layers):
         w = windowed.get(i, 0)
-        specs.append(LayerSpec(i, LAYER_WINDOWED if w else LAYER_FULL, kv_heads, head_dim, dtype, "rope" if w else "nope", window_tokens=w, attention_window=w + 1 if w else 0))
+        specs.append(
+            LayerSpec(
+                i, LAYER_WINDOWED if w else LAYER_FULL, kv_heads, head_dim, dtype, "rope" if w else "nope", window_tokens=w, attention_window=w + 1 if w else 0
+            )
+        )
     return CacheLayout(tuple(specs), vocab_size=vocab)
 
 
@@ -65,7 +71,7 @@ def _rows(spec: LayerSpec, role: str, positions: np.ndarray, tokens: np.ndarray)
     n = positions.size
     width = DTYPE_WIDTH[spec.dtype]
     words = spec.row_bytes // 4 if spec.row_bytes % 4 == 0 else spec.row_bytes
-    base = (positions.astype(np.uint64) * np.uint64(0x9E3779B1) + tokens.astype(np.uint64) * np.uint64(0x85EBCA77))
+    base = positions.astype(np.uint64) * np.uint64(0x9E3779B1) + tokens.astype(np.uint64) * np.uint64(0x85EBCA77)
     base ^= np.uint64(spec.index * 2 + (1 if role == "v" else 0)) * np.uint64(0xC2B2AE3D)
     lanes = np.arange(words, dtype=np.uint64)
     mixed = (base[:, None] * np.uint64(2654435761) + lanes[None, :] * np.uint64(40503)) & np.uint64(0xFFFFFFFF)

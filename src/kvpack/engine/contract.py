@@ -87,9 +87,7 @@ def _canon(obj: Any) -> Any:
 
 def canonical_json(obj: Any) -> bytes:
     """The canonical bytes hashed for identities (see the module docstring)."""
-    return json.dumps(_canon(obj), sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode(
-        "ascii"
-    )
+    return json.dumps(_canon(obj), sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode("ascii")
 
 
 def id32(component: str, obj: Any) -> bytes:
@@ -306,8 +304,7 @@ class EngineIdentity:
         """The object hashed for each Id32, by component name (documented contract)."""
         scalars = {k: float(v) for k, v in self.scalars.items()}
         layer_positions = [
-            {"kind": s.kind, "position": s.position, "window_tokens": s.window_tokens, "attention_window": s.attention_window}
-            for s in self.layout.layers
+            {"kind": s.kind, "position": s.position, "window_tokens": s.window_tokens, "attention_window": s.attention_window} for s in self.layout.layers
         ]
         return {
             "weights-config": {

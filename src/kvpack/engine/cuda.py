@@ -47,8 +47,6 @@ MAX_OBJECT_BYTES = C.MAX_CHUNK_OBJECT_BYTES
 MAX_PLAINTEXT_BYTES = C.MAX_CHUNK_PLAINTEXT
 
 
-
-
 def _is_cuda(device: Any) -> bool:
     return getattr(device, "type", str(device)).startswith("cuda")
 

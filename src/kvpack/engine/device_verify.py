@@ -224,6 +224,7 @@ class WaveRing:
         wave._wait_reusable()
         return wave
 
+
 def wave_ring(device: Any, *, wave_chunks: int, waves: int) -> WaveRing:
     """The process-wide ring for ``device`` and this wave size, with at least ``waves`` waves."""
     device = _torch().device(device)

@@ -113,8 +113,7 @@ class TransformersEngine:
         if prefill_chunk_tokens <= 0 or REUSE_BLOCK_TOKENS % prefill_chunk_tokens != 0:
             raise EngineError(
                 "unsupported",
-                f"prefill_chunk_tokens={prefill_chunk_tokens} must divide {REUSE_BLOCK_TOKENS}, "
-                "so every reusable cut is a chunk boundary",
+                f"prefill_chunk_tokens={prefill_chunk_tokens} must divide {REUSE_BLOCK_TOKENS}, so every reusable cut is a chunk boundary",
             )
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise EngineError("unsupported", "CUDA requested but not available")
@@ -175,9 +174,7 @@ class TransformersEngine:
                 window = int(layer_obj.sliding_window)
                 if window != int(cfg.sliding_window) or window < 2:
                     raise EngineError("layout", f"layer {i}: window {window} disagrees with config")
-                specs.append(
-                    LayerSpec(i, LAYER_WINDOWED, kv_heads, head_dim, dtype, position, window_tokens=window - 1, attention_window=window)
-                )
+                specs.append(LayerSpec(i, LAYER_WINDOWED, kv_heads, head_dim, dtype, position, window_tokens=window - 1, attention_window=window))
             else:
                 specs.append(LayerSpec(i, LAYER_FULL, kv_heads, head_dim, dtype, position))
         return CacheLayout(layers=tuple(specs), vocab_size=int(cfg.vocab_size))
@@ -350,9 +347,7 @@ class EngineSession:
         """
         chunk = self.engine.prefill_chunk_tokens
         if chunk_size is not None and chunk_size != chunk:
-            raise EngineError(
-                "identity", f"chunk_size {chunk_size} differs from the engine's prefill_chunk_tokens {chunk}"
-            )
+            raise EngineError("identity", f"chunk_size {chunk_size} differs from the engine's prefill_chunk_tokens {chunk}")
         ids = self._check_tokens(token_ids)
         i = 0
         while i < len(ids):
@@ -478,9 +473,7 @@ class EngineSession:
 
     # -- install --------------------------------------------------------------------------
 
-    def begin_install(
-        self, cut: int, token_ids: Sequence[int], identity: EngineIdentity | IdentityIds
-    ) -> "DetachedInstall":
+    def begin_install(self, cut: int, token_ids: Sequence[int], identity: EngineIdentity | IdentityIds) -> "DetachedInstall":
         """Start filling a detached cache for the cut ``[0, cut)``; the live session is untouched.
 
         ``identity`` is what the stored cache claims to be; any difference from this engine's
@@ -524,9 +517,7 @@ class DetachedInstall:
         for spec in layout.layers:
             lo, hi = spec.retained_range(cut)
             for role in layout.roles:
-                self._planes[(spec.index, role)] = torch.empty(
-                    (1, spec.kv_heads, hi - lo, spec.head_dim), dtype=dtypes[spec.dtype], device=device
-                )
+                self._planes[(spec.index, role)] = torch.empty((1, spec.kv_heads, hi - lo, spec.head_dim), dtype=dtypes[spec.dtype], device=device)
                 self._written[(spec.index, role)] = np.zeros(hi - lo, dtype=bool)
         self._torch_dtypes = dtypes
 

@@ -176,9 +176,7 @@ def encode_chunk(
         content_id = chunk_content_id(
             keys.chunk_identity, keys.tenant, family_digest, key.layer, key.name, span.token_start, span.token_count, span.plaintext_offset, plaintext
         )
-    object_key = chunk_object_key(
-        keys.object_identity, keys.tenant, family_digest, content_id, epoch, codec, codec_version, encrypted, salt, nonce, sidecar
-    )
+    object_key = chunk_object_key(keys.object_identity, keys.tenant, family_digest, content_id, epoch, codec, codec_version, encrypted, salt, nonce, sidecar)
     # A raw unencrypted frame is written straight into the object below (one copy of the
     # payload instead of two); every other frame is built first (encoded or sealed).
     in_place = codec == C.CODEC_RAW and not encrypted

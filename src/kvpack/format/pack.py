@@ -163,19 +163,10 @@ def pack_structure(data: bytes | memoryview) -> tuple[PackHeader, PackFooter]:
     if bytes(data[length - C.HEADER_BYTES : length - C.HEADER_BYTES + 8]) != C.MAGIC_COMMIT:
         raise fail("bad_magic", "pack: commit footer magic")
     f = PackFooter.parse(data)
-    if (
-        (f.version, f.footer_bytes, f.reserved, f.reserved64) != (1, C.HEADER_BYTES, 0, 0)
-        or not _is_zero(data[length - C.HEADER_BYTES + 112 :])
-    ):
+    if (f.version, f.footer_bytes, f.reserved, f.reserved64) != (1, C.HEADER_BYTES, 0, 0) or not _is_zero(data[length - C.HEADER_BYTES + 112 :]):
         raise fail("reserved", "pack: commit footer reserved fields")
     body_len = length - 2 * C.HEADER_BYTES
-    if (
-        body_len != h.stored_bytes
-        or f.stored_bytes != h.stored_bytes
-        or f.key_epoch != h.key_epoch
-        or f.file_bytes != length
-        or f.manifest_id != h.manifest_id
-    ):
+    if body_len != h.stored_bytes or f.stored_bytes != h.stored_bytes or f.key_epoch != h.key_epoch or f.file_bytes != length or f.manifest_id != h.manifest_id:
         raise fail("bounds", "pack: header/footer/body linkage mismatch")
     return h, f
 

@@ -92,5 +92,3 @@ class StatsSidecar:
             norm_bits,
             cls.top_sinks(norm_bits, min(sinks, len(norm_bits))),
         )
-
-

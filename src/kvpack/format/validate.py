@@ -41,9 +41,7 @@ def validate_family(family: Family) -> None:
             raise fail("semantics", f"family: state {key} elements_per_token {state.elements_per_token} != {fixed}")
         if state.layout == C.LAYOUT_CONTIGUOUS and state.token_axis_rule == C.AXIS_GATHER:
             raise fail("semantics", f"family: state {key} contiguous layout with gather")
-        if family.mode == C.MODE_PORTABLE and not (
-            state.layout == C.LAYOUT_CONTIGUOUS and state.token_axis_rule == C.AXIS_DIRECT
-        ):
+        if family.mode == C.MODE_PORTABLE and not (state.layout == C.LAYOUT_CONTIGUOUS and state.token_axis_rule == C.AXIS_DIRECT):
             raise fail("semantics", f"family: state {key} portable mode needs contiguous+direct")
         prev_dep = None
         for dep in state.dependencies:

@@ -28,9 +28,7 @@ from ..errors import ProtocolError
 U32_MAX = 2**32 - 1
 U64_MAX = 2**64 - 1
 
-_ENCODER = json.JSONEncoder(
-    sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
-)
+_ENCODER = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
 
 
 def canonical_bytes(value: Any) -> bytes:
@@ -80,9 +78,7 @@ def _no_constant(text: str) -> Any:
     raise ProtocolError("json", f"{text} is not JSON")
 
 
-_DECODER = json.JSONDecoder(
-    object_pairs_hook=_pairs_no_duplicates, parse_float=_no_float, parse_constant=_no_constant
-)
+_DECODER = json.JSONDecoder(object_pairs_hook=_pairs_no_duplicates, parse_float=_no_float, parse_constant=_no_constant)
 
 
 def parse_json(data: bytes | bytearray | memoryview, max_len: int) -> Any:
@@ -144,9 +140,7 @@ def decode_canonical(data: bytes | bytearray | memoryview, max_len: int) -> Any:
 # --- typed field helpers ---------------------------------------------------------------
 
 
-def check_keys(
-    obj: Any, where: str, required: Iterable[str], optional: Iterable[str] = ()
-) -> Mapping[str, Any]:
+def check_keys(obj: Any, where: str, required: Iterable[str], optional: Iterable[str] = ()) -> Mapping[str, Any]:
     """Require ``obj`` to be an object with all ``required`` keys and nothing outside the
     allow-list (C.3 unknown-field audit)."""
     if not isinstance(obj, dict):

@@ -75,9 +75,7 @@ def check_declared_schedule(manifest, layout: SpanLayout, cut: int) -> None:
     expected = schedule_span(layout, manifest.position, cut)
     target = [d for d in manifest.segments if d.component_id == layout.component_id]
     if len(target) != len(expected):
-        raise ProtocolError(
-            "delta", f"declared target segments ({len(target)}) differ from the span schedule ({len(expected)})"
-        )
+        raise ProtocolError("delta", f"declared target segments ({len(target)}) differ from the span schedule ({len(expected)})")
     for d, e in zip(target, expected):
         if d.sequence != e.sequence or descriptor_key(d) != e.key():
             raise ProtocolError("delta", f"declared segment {d.sequence} differs from the span schedule")
@@ -115,9 +113,7 @@ class ScheduleWitness:
 
     def finish(self) -> None:
         if len(self.observed) != len(self.expected):
-            raise ProtocolError(
-                "delta", f"target incomplete: {len(self.observed)} of {len(self.expected)} scheduled segments"
-            )
+            raise ProtocolError("delta", f"target incomplete: {len(self.observed)} of {len(self.expected)} scheduled segments")
 
 
 # --- reuse ladder ----------------------------------------------------------------------
@@ -151,11 +147,7 @@ def classify_reuse(matched: int, prompt: int, tier: str, cut_align: int = PREFIX
     if matched >= prompt - 1:
         return ReuseAction.SERVE_LOCAL
     if (
-        tier in FETCHED_TIERS
-        and matched > 0
-        and cut_align > 0
-        and matched % cut_align == 0
-        and matched + 1 < prompt  # a nonempty transferable suffix
+        tier in FETCHED_TIERS and matched > 0 and cut_align > 0 and matched % cut_align == 0 and matched + 1 < prompt  # a nonempty transferable suffix
     ):
         return ReuseAction.ARM_DELTA
     return ReuseAction.FULL_TRANSFER

@@ -257,9 +257,7 @@ def check_descriptor(d: SegmentDescriptorV2, component_ids: Iterable[str] | set[
     _require_hex(d.sha256, f"segment {d.sequence} sha256")
     expected = d.logical_count * d.elements_per_token * ELEMENT_SIZES[d.element_type]
     if d.byte_len != expected:
-        raise ProtocolError(
-            "manifest", f"segment {d.sequence}: byte_len {d.byte_len} != count*width*size {expected}"
-        )
+        raise ProtocolError("manifest", f"segment {d.sequence}: byte_len {d.byte_len} != count*width*size {expected}")
     if d.logical_start + d.logical_count > cj.U64_MAX:
         raise ProtocolError("manifest", f"segment {d.sequence}: range end overflows u64")
 
@@ -282,9 +280,7 @@ class OverlapTracker:
         lo, hi = d.logical_start, d.logical_start + d.logical_count
         i = bisect.bisect_left(starts, lo)
         if (i > 0 and ends[i - 1] > lo) or (i < len(starts) and starts[i] < hi):
-            raise ProtocolError(
-                "manifest", f"segment {d.sequence}: range [{lo},{hi}) overlaps another for {key}"
-            )
+            raise ProtocolError("manifest", f"segment {d.sequence}: range [{lo},{hi}) overlaps another for {key}")
         starts.insert(i, lo)
         ends.insert(i, hi)
 
@@ -339,14 +335,8 @@ class BeginManifestV2:
             prompt_token_ids=cj.u32_array(obj["prompt_token_ids"], "manifest.prompt_token_ids"),
             multimodal=None if mm is None else MultimodalIdentityV1.from_json(mm),
             hmac=HmacRef.from_json(obj["hmac"]),
-            components=tuple(
-                ComponentV2.from_json(c, f"components[{i}]")
-                for i, c in enumerate(cj.array(obj["components"], "manifest.components"))
-            ),
-            segments=tuple(
-                SegmentDescriptorV2.from_json(d, f"segments[{i}]")
-                for i, d in enumerate(cj.array(obj["segments"], "manifest.segments"))
-            ),
+            components=tuple(ComponentV2.from_json(c, f"components[{i}]") for i, c in enumerate(cj.array(obj["components"], "manifest.components"))),
+            segments=tuple(SegmentDescriptorV2.from_json(d, f"segments[{i}]") for i, d in enumerate(cj.array(obj["segments"], "manifest.segments"))),
             deferred_segments=cj.boolean(obj.get("deferred_segments", False), "manifest.deferred_segments"),
         )
 
@@ -387,9 +377,7 @@ class BeginManifestV2:
         return None
 
 
-def validate_begin(
-    m: BeginManifestV2, *, now_unix_ms: int, expected_key_id: str, minimum_epoch: int
-) -> None:
+def validate_begin(m: BeginManifestV2, *, now_unix_ms: int, expected_key_id: str, minimum_epoch: int) -> None:
     """``ValidatedBeginV2::validate`` (C.4), in upstream's order.
 
     Raises ``manifest`` for structural rules, ``expired`` for the time window and ``key``
@@ -613,9 +601,7 @@ def check_seal(key: bytes, seal: SealManifestV2, expected: SealCoreV2) -> None:
     if core.transfer_id != expected.transfer_id or core.generation != expected.generation:
         raise ProtocolError("manifest", "seal names another transfer or generation")
     if core.segment_count != expected.segment_count:
-        raise ProtocolError(
-            "sequence", f"seal counts {core.segment_count} segments, received {expected.segment_count}"
-        )
+        raise ProtocolError("sequence", f"seal counts {core.segment_count} segments, received {expected.segment_count}")
     if core.total_bytes != expected.total_bytes:
         raise ProtocolError("digest", f"seal total_bytes {core.total_bytes} != received {expected.total_bytes}")
     for name in ("begin_sha256", "descriptor_sha256", "payload_sha256"):

@@ -107,9 +107,7 @@ def check_cut(layout: SpanLayout, position: int, cut: int) -> None:
     if position <= 0:
         raise ProtocolError("manifest", "empty prompt has no span schedule")
     if cut < 0 or cut % layout.cut_align != 0 or cut >= position:
-        raise ProtocolError(
-            "delta", f"prefix cut {cut} is not a {layout.cut_align}-aligned cut inside the prompt ({position})"
-        )
+        raise ProtocolError("delta", f"prefix cut {cut} is not a {layout.cut_align}-aligned cut inside the prompt ({position})")
 
 
 def schedule_span(layout: SpanLayout, position: int, cut: int = 0) -> tuple[SpanSegment, ...]:
@@ -127,11 +125,7 @@ def schedule_span(layout: SpanLayout, position: int, cut: int = 0) -> tuple[Span
                 if s + n <= start:
                     continue
                 cs = max(s, start)
-                out.append(
-                    SpanSegment(
-                        len(out), layout.component_id, cls.role, layer, cs, s + n - cs, layout.element_type, ept, cls.name
-                    )
-                )
+                out.append(SpanSegment(len(out), layout.component_id, cls.role, layer, cs, s + n - cs, layout.element_type, ept, cls.name))
     return tuple(out)
 
 
@@ -165,9 +159,7 @@ def dflash_schedule(
     for layer in range(layers):
         for role in ("dflash_key", "dflash_value"):
             for s, n in ranges:
-                out.append(
-                    SpanSegment(first_sequence + len(out), component_id, role, layer, s, n, "f32_le", width, "dflash")
-                )
+                out.append(SpanSegment(first_sequence + len(out), component_id, role, layer, s, n, "f32_le", width, "dflash"))
     return tuple(out)
 
 

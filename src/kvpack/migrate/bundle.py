@@ -210,8 +210,18 @@ def decode_bundle(data: bytes | memoryview) -> Bundle:
 
 
 _RECORD_KEYS = {
-    "schema", "session_id", "revision", "tokens", "cut", "sampler", "rng", "messages", "identity",
-    "cache_sha256", "pack", "files",
+    "schema",
+    "session_id",
+    "revision",
+    "tokens",
+    "cut",
+    "sampler",
+    "rng",
+    "messages",
+    "identity",
+    "cache_sha256",
+    "pack",
+    "files",
 }
 
 

@@ -33,8 +33,18 @@ from typing import Any
 from ..errors import MigrationError
 
 _KEYS = {
-    "node_name", "home", "listen", "tls", "api_key_file", "peer_api_key_file", "peer_ca", "cluster_dir",
-    "ssh_identity_file", "engine", "upload_chunk_bytes", "checkpoint_bytes",
+    "node_name",
+    "home",
+    "listen",
+    "tls",
+    "api_key_file",
+    "peer_api_key_file",
+    "peer_ca",
+    "cluster_dir",
+    "ssh_identity_file",
+    "engine",
+    "upload_chunk_bytes",
+    "checkpoint_bytes",
 }
 
 
@@ -140,7 +150,9 @@ def build_engine(spec: dict[str, Any]):
         from ..engine.arrays import ArrayEngine, array_layout
 
         layout = array_layout(
-            layers=int(spec.get("layers", 4)), kv_heads=int(spec.get("kv_heads", 4)), head_dim=int(spec.get("head_dim", 64)),
+            layers=int(spec.get("layers", 4)),
+            kv_heads=int(spec.get("kv_heads", 4)),
+            head_dim=int(spec.get("head_dim", 64)),
             vocab=int(spec.get("vocab", 64)),
         )
         return ArrayEngine(layout, name=str(spec.get("name", "arrays")))

@@ -27,9 +27,7 @@ from . import machine as M
 from .bundle import adopt_bundle, decode_bundle, export_bundle
 from .journal import Journals, valid_id
 
-FENCING = frozenset(
-    {M.STARTING, M.PREPARED, M.TRANSFERRING, M.AMBIGUOUS, M.DESTINATION_COMMITTED, M.DESTINATION_COMMITTED_SOURCE_RETAINED}
-)
+FENCING = frozenset({M.STARTING, M.PREPARED, M.TRANSFERRING, M.AMBIGUOUS, M.DESTINATION_COMMITTED, M.DESTINATION_COMMITTED_SOURCE_RETAINED})
 
 
 @dataclass
@@ -82,8 +80,13 @@ class SessionRegistry:
     def fence(self, sid: str) -> str | None:
         """The transfer id of an unfinished outgoing move of ``sid`` (None when not fenced)."""
         for rec in self.journals.all():
-            if (rec["direction"] == "outgoing" and rec["session_id"] == sid and rec["mode"] == "move"
-                    and rec.get("phase", "export") == "export" and rec["status"] in FENCING):
+            if (
+                rec["direction"] == "outgoing"
+                and rec["session_id"] == sid
+                and rec["mode"] == "move"
+                and rec.get("phase", "export") == "export"
+                and rec["status"] in FENCING
+            ):
                 return rec["id"]
         return None
 

@@ -42,8 +42,14 @@ from .transfer import run_export, run_restore
 MAX_TRANSFER_BYTES = 32 * 1024**3
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 IDENTITY_KEYS = (
-    "model_sha256", "tokenizer_sha256", "template_sha256", "layout_abi", "engine_identity_sha256",
-    "dflash_identity_sha256", "vision_projector_sha256", "vision_preprocessing_sha256",
+    "model_sha256",
+    "tokenizer_sha256",
+    "template_sha256",
+    "layout_abi",
+    "engine_identity_sha256",
+    "dflash_identity_sha256",
+    "vision_projector_sha256",
+    "vision_preprocessing_sha256",
 )
 
 
@@ -129,7 +135,11 @@ class MigrationService:
             existing = self.journals.load(tid)
             if existing is not None:
                 if (existing["direction"], existing["session_id"], existing["destination"], existing["mode"], existing["tier"]) != (
-                    "outgoing", sid, destination, mode, tier
+                    "outgoing",
+                    sid,
+                    destination,
+                    mode,
+                    tier,
                 ):
                     raise MigrationError("conflict", f"transfer {tid} is bound to another session, destination or mode")
                 self.schedule(tid)
@@ -140,9 +150,18 @@ class MigrationService:
             if fenced:
                 raise MigrationError("conflict", f"session {sid} is busy: transfer {fenced} is moving it")
             rec = {
-                "id": tid, "session_id": sid, "direction": "outgoing", "mode": mode, "tier": tier,
-                "destination": destination, "status": M.STARTING, "bytes": 0, "sha256": "",
-                "source_deleted": False, "last_error": None, "phase": "export",
+                "id": tid,
+                "session_id": sid,
+                "direction": "outgoing",
+                "mode": mode,
+                "tier": tier,
+                "destination": destination,
+                "status": M.STARTING,
+                "bytes": 0,
+                "sha256": "",
+                "source_deleted": False,
+                "last_error": None,
+                "phase": "export",
             }
             self.journals.create(rec)
         self.schedule(tid)
@@ -223,8 +242,15 @@ class MigrationService:
     def progress_view(self, tid: str) -> dict[str, Any]:
         rec = self.journals.require(tid)
         p = self.progress.get(tid, {})
-        return {"id": tid, "status": rec["status"], "phase": rec.get("phase", "export") if rec["direction"] == "outgoing" else "incoming",
-                "running": self.running(tid), "bytes": rec.get("bytes", 0), "sent": p.get("sent", 0), "resumed_from": p.get("resumed_from", 0)}
+        return {
+            "id": tid,
+            "status": rec["status"],
+            "phase": rec.get("phase", "export") if rec["direction"] == "outgoing" else "incoming",
+            "running": self.running(tid),
+            "bytes": rec.get("bytes", 0),
+            "sent": p.get("sent", 0),
+            "resumed_from": p.get("resumed_from", 0),
+        }
 
     def running(self, tid: str) -> bool:
         t = self._runners.get(tid)
@@ -267,10 +293,21 @@ class MigrationService:
             if self.registry.exists(body["session_id"]):
                 raise MigrationError("conflict", f"session {body['session_id']} already exists on this node")
             rec = {
-                "id": tid, "session_id": body["session_id"], "direction": "incoming", "mode": body["mode"], "tier": "decode",
-                "destination": body["source"], "status": M.PREPARED, "bytes": body["bytes"], "sha256": body["sha256"],
-                "source_deleted": False, "last_error": None, "transport_key": body["transport_key"], "received": 0,
-                "installed": False, "material": material,
+                "id": tid,
+                "session_id": body["session_id"],
+                "direction": "incoming",
+                "mode": body["mode"],
+                "tier": "decode",
+                "destination": body["source"],
+                "status": M.PREPARED,
+                "bytes": body["bytes"],
+                "sha256": body["sha256"],
+                "source_deleted": False,
+                "last_error": None,
+                "transport_key": body["transport_key"],
+                "received": 0,
+                "installed": False,
+                "material": material,
             }
             self.journals.create(rec)
             return view(rec)

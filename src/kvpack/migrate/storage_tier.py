@@ -175,14 +175,45 @@ class StorageDestination:
     def argv(self, script: str) -> list[str]:
         n = self.node
         return [
-            SSH, "-F", "/dev/null", "-T",
-            "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes", "-o", f"UserKnownHostsFile={self.known_hosts}",
-            "-o", "GlobalKnownHostsFile=/dev/null", "-o", f"HostKeyAlias={self.alias}", "-o", "CheckHostIP=no",
-            "-o", "IdentitiesOnly=yes", "-o", "IdentityAgent=none", "-o", "PasswordAuthentication=no",
-            "-o", "KbdInteractiveAuthentication=no", "-o", "ConnectTimeout=10",
-            "-o", "ServerAliveInterval=5", "-o", "ServerAliveCountMax=3",
-            "-i", self.identity_file, "-p", str(n.port), "-l", n.user, n.host,
-            "--", "sh -c " + shlex.quote(script),
+            SSH,
+            "-F",
+            "/dev/null",
+            "-T",
+            "-o",
+            "BatchMode=yes",
+            "-o",
+            "StrictHostKeyChecking=yes",
+            "-o",
+            f"UserKnownHostsFile={self.known_hosts}",
+            "-o",
+            "GlobalKnownHostsFile=/dev/null",
+            "-o",
+            f"HostKeyAlias={self.alias}",
+            "-o",
+            "CheckHostIP=no",
+            "-o",
+            "IdentitiesOnly=yes",
+            "-o",
+            "IdentityAgent=none",
+            "-o",
+            "PasswordAuthentication=no",
+            "-o",
+            "KbdInteractiveAuthentication=no",
+            "-o",
+            "ConnectTimeout=10",
+            "-o",
+            "ServerAliveInterval=5",
+            "-o",
+            "ServerAliveCountMax=3",
+            "-i",
+            self.identity_file,
+            "-p",
+            str(n.port),
+            "-l",
+            n.user,
+            n.host,
+            "--",
+            "sh -c " + shlex.quote(script),
         ]
 
     def vars(self, rec: dict[str, Any], **extra: Any) -> dict[str, str]:
@@ -230,7 +261,9 @@ class StorageDestination:
 
     def upload(self, rec: dict[str, Any], path: str, offset: int, progress: Callable[[int], None] | None = None) -> None:
         kill_at = failpoints.byte_threshold("source.upload")
-        proc = subprocess.Popen(self.argv(UPLOAD.format(**self.vars(rec, offset=offset))), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        proc = subprocess.Popen(
+            self.argv(UPLOAD.format(**self.vars(rec, offset=offset))), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
         sent = offset
         try:
             with open(path, "rb") as fh:

@@ -225,8 +225,13 @@ class AuthTlsMiddleware:
 
 
 def create_app(svc) -> FastAPI:
-    app = FastAPI(title="kvpack decode node", version="1", docs_url=None, redoc_url=None,
-                  description="Session migration (INTEROP.md PART D) and the node's session registry.")
+    app = FastAPI(
+        title="kvpack decode node",
+        version="1",
+        docs_url=None,
+        redoc_url=None,
+        description="Session migration (INTEROP.md PART D) and the node's session registry.",
+    )
     payload_slots = asyncio.Semaphore(PAYLOAD_CONCURRENCY)
 
     @app.exception_handler(ApiError)
@@ -254,8 +259,14 @@ def create_app(svc) -> FastAPI:
             raise _map(exc, kind) from None
 
     # -- D.2 public ---------------------------------------------------------------------------------
-    @app.post("/v1/sessions/{session_id}/migrate", status_code=202, response_model=TransferView, response_model_exclude_none=True,
-              openapi_extra=_openapi_body(MigrateBody), responses=_ERRORS)
+    @app.post(
+        "/v1/sessions/{session_id}/migrate",
+        status_code=202,
+        response_model=TransferView,
+        response_model_exclude_none=True,
+        openapi_extra=_openapi_body(MigrateBody),
+        responses=_ERRORS,
+    )
     async def migrate(session_id: str, request: Request):
         _id(session_id, "session id")
         body = await _json_body(request, MigrateBody)
@@ -267,8 +278,7 @@ def create_app(svc) -> FastAPI:
         _id(transfer_id, "transfer id")
         return JSONResponse(await call(svc.status, transfer_id, kind="transfer_error"))
 
-    @app.post("/v1/session-transfers/{transfer_id}/reconcile", response_model=TransferView,
-              response_model_exclude_none=True, responses=_ERRORS)
+    @app.post("/v1/session-transfers/{transfer_id}/reconcile", response_model=TransferView, response_model_exclude_none=True, responses=_ERRORS)
     async def transfer_reconcile(transfer_id: str):
         _id(transfer_id, "transfer id")
         return JSONResponse(await call(svc.reconcile, transfer_id, kind="transfer_error"))
@@ -279,15 +289,24 @@ def create_app(svc) -> FastAPI:
         return JSONResponse(await call(svc.progress_view, transfer_id, kind="transfer_error"))
 
     # -- D.3 internal -------------------------------------------------------------------------------
-    @app.post("/__kvpack/v1/session-transfers/prepare", response_model=TransferView, response_model_exclude_none=True,
-              openapi_extra=_openapi_body(PrepareBody), responses=_ERRORS)
+    @app.post(
+        "/__kvpack/v1/session-transfers/prepare",
+        response_model=TransferView,
+        response_model_exclude_none=True,
+        openapi_extra=_openapi_body(PrepareBody),
+        responses=_ERRORS,
+    )
     async def prepare(request: Request):
         body = await _json_body(request, PrepareBody)
         return JSONResponse(await call(svc.prepare, body.model_dump(), kind="transfer_prepare_error"))
 
-    @app.put("/__kvpack/v1/session-transfers/{transfer_id}/payload", response_model=TransferView, response_model_exclude_none=True,
-             openapi_extra={"requestBody": {"required": True, "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}},
-             responses=_ERRORS)
+    @app.put(
+        "/__kvpack/v1/session-transfers/{transfer_id}/payload",
+        response_model=TransferView,
+        response_model_exclude_none=True,
+        openapi_extra={"requestBody": {"required": True, "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}},
+        responses=_ERRORS,
+    )
     async def payload(transfer_id: str, request: Request):
         from ..migrate.resume import receive_payload
 
@@ -306,8 +325,7 @@ def create_app(svc) -> FastAPI:
         _id(transfer_id, "transfer id")
         return JSONResponse(await call(svc.upload_offset, transfer_id, kind="transfer_error"))
 
-    @app.post("/__kvpack/v1/session-transfers/{transfer_id}/commit", response_model=TransferView, response_model_exclude_none=True,
-              responses=_ERRORS)
+    @app.post("/__kvpack/v1/session-transfers/{transfer_id}/commit", response_model=TransferView, response_model_exclude_none=True, responses=_ERRORS)
     async def commit(transfer_id: str):
         _id(transfer_id, "transfer id")
         return JSONResponse(await call(svc.commit, transfer_id, kind="transfer_commit_error"))
@@ -319,8 +337,7 @@ def create_app(svc) -> FastAPI:
 
         body = await _json_body(request, CreateSessionBody)
         sid = body.session_id or new_session_id()
-        info = await call(lambda: svc.registry.create(sid, body.prompt_token_ids, messages=body.messages, seed=body.seed),
-                          kind="invalid_request_error")
+        info = await call(lambda: svc.registry.create(sid, body.prompt_token_ids, messages=body.messages, seed=body.seed), kind="invalid_request_error")
         return JSONResponse(info, status_code=201)
 
     @app.get("/v1/sessions/{session_id}", responses=_ERRORS)
@@ -382,7 +399,17 @@ def serve(config_path: str) -> None:
     if cfg.tls:
         ctx = server_ssl_context(cfg.tls)
         kwargs["ssl_context_factory"] = lambda _config, _default: ctx
-    config = uvicorn.Config(asgi, host=cfg.host, port=cfg.port, proxy_headers=False, server_header=False,
-                            log_level="warning", lifespan="off", timeout_keep_alive=30, limit_concurrency=256, **kwargs)
+    config = uvicorn.Config(
+        asgi,
+        host=cfg.host,
+        port=cfg.port,
+        proxy_headers=False,
+        server_header=False,
+        log_level="warning",
+        lifespan="off",
+        timeout_keep_alive=30,
+        limit_concurrency=256,
+        **kwargs,
+    )
     print(f"kvpack decode node {cfg.node_name} serving {cfg.base_url}", flush=True)
     uvicorn.Server(config).run()

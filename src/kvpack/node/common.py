@@ -99,7 +99,7 @@ def load_engine(spec: str = "smollm2", *, threads: int = 2):
         from ..engine.arrays import ArrayEngine, array_layout
 
         parts = [int(x) for x in spec.split(":")[1:]] or [4, 2, 8]
-        layers, heads, dim = (parts + [4, 2, 8][len(parts):])[:3]
+        layers, heads, dim = (parts + [4, 2, 8][len(parts) :])[:3]
         return ArrayEngine(array_layout(layers=layers, kv_heads=heads, head_dim=dim, dtype="f32"), name=f"arrays-{layers}x{heads}x{dim}")
     raise SecurityError("config", f"unknown engine {spec!r} (smollm2 or arrays:L:H:D)")
 

@@ -150,8 +150,7 @@ class ResidentRadix:
                 # entry ends there, or ``want`` is a chunk boundary (prefill chunks are
                 # absolute multiples of 256, so rows past a boundary depend on where the
                 # computing call ended; docs/engine.md "Determinism").
-                if (ident == identity and len(etoks) >= want > 0 and etoks[:want] == tokens[:want]
-                        and (len(etoks) == want or want % BLOCK == 0)):
+                if ident == identity and len(etoks) >= want > 0 and etoks[:want] == tokens[:want] and (len(etoks) == want or want % BLOCK == 0):
                     self._entries.move_to_end((ident, etoks))
                     return HeldPrefix("resident", tokens[:want], entry)
             node = self._roots.get(identity)
@@ -180,8 +179,7 @@ class Plan:
         return self.matched if self.action is ReuseAction.ARM_DELTA else 0
 
     def to_json(self) -> dict:
-        return {"action": self.action.value, "tier": self.tier, "matched": self.matched,
-                "prefix_cut": self.prefix_cut, "lookup_s": round(self.lookup_s, 6)}
+        return {"action": self.action.value, "tier": self.tier, "matched": self.matched, "prefix_cut": self.prefix_cut, "lookup_s": round(self.lookup_s, 6)}
 
 
 class Ladder:

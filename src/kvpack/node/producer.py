@@ -207,8 +207,7 @@ class ProducerNode:
         except (KvpackError, OSError, ssl.SSLError) as exc:
             reason, detail = verdict_of(exc)
             self.metrics.refusal(reason)
-            self.receipts.write({"role": "producer", "verdict": "refused", "phase": "tls", "reason": reason,
-                                 "detail": detail[:2000], "peer": peer})
+            self.receipts.write({"role": "producer", "verdict": "refused", "phase": "tls", "reason": reason, "detail": detail[:2000], "peer": peer})
             return
         frames: list = []
         receipt: dict = {"role": "producer", "peer": peer, "control_frames": frames}
@@ -297,10 +296,18 @@ class ProducerNode:
         transfer_id = f"{req.request_id}-{gen}"
         created = now_ms()
         manifest = BeginManifestV2(
-            protocol=PROTOCOL, transfer_id=transfer_id, generation=gen, created_unix_ms=created,
-            expires_unix_ms=created + EXPIRY_MS, identity=self.exact, prompt_token_ids=tuple(tokens),
-            multimodal=None, hmac=HmacRef(receiver.hmac_key_id, receiver.hmac_epoch),
-            components=(ComponentV2("target", "target_kv", True, self.target),), segments=(), deferred_segments=True,
+            protocol=PROTOCOL,
+            transfer_id=transfer_id,
+            generation=gen,
+            created_unix_ms=created,
+            expires_unix_ms=created + EXPIRY_MS,
+            identity=self.exact,
+            prompt_token_ids=tuple(tokens),
+            multimodal=None,
+            hmac=HmacRef(receiver.hmac_key_id, receiver.hmac_epoch),
+            components=(ComponentV2("target", "target_kv", True, self.target),),
+            segments=(),
+            deferred_segments=True,
         )
         sender = Sender(manifest, self._keys[receiver.name], prefix_cut=cut)
         schedule = list(schedule_span(self.layout, position, cut))
@@ -367,7 +374,7 @@ class ProducerNode:
                     state["next"] += 1
 
             ship_ready(session)  # tiles of an installed prefix beyond the cut leave at once
-            session.prefill(tokens[session.position:], chunk_size=chunk_tokens(self.engine), on_chunk=ship_ready)
+            session.prefill(tokens[session.position :], chunk_size=chunk_tokens(self.engine), on_chunk=ship_ready)
             ns["prefill_end"] = time.time_ns()
             prefill_s = time.perf_counter() - t_pf
             ship_ready(session)
@@ -401,16 +408,26 @@ class ProducerNode:
         self.metrics.prefilled.labels("producer").inc(prefilled)
         self.metrics.reused.labels("producer", tier).inc(reused)
         self.metrics.phases({"prefill": prefill_s, "wire": wire["ns"] / 1e9})
-        receipt.update(reused_tokens=reused, reuse_tier=tier, prefilled_tokens=prefilled,
-                       segments=sender.segments_sent, payload_bytes=sender.bytes_sent,
-                       begin_sha256=manifest.begin_sha256(),
-                       seal=None if sender.seal_manifest is None else sender.seal_manifest.to_json())
+        receipt.update(
+            reused_tokens=reused,
+            reuse_tier=tier,
+            prefilled_tokens=prefilled,
+            segments=sender.segments_sent,
+            payload_bytes=sender.bytes_sent,
+            begin_sha256=manifest.begin_sha256(),
+            seal=None if sender.seal_manifest is None else sender.seal_manifest.to_json(),
+        )
         receipt["_session"], receipt["_checkpoints"], receipt["_tokens"] = session, checkpoints, tokens
         return ControlReceipt(
-            prefill_start_unix_ns=ns["prefill_start"], prefill_end_unix_ns=ns["prefill_end"],
-            state_saved_unix_ns=ns["state_saved"], transfer_start_unix_ns=ns["transfer_start"],
-            first_segment_sent_unix_ns=ns["first_segment_sent"], transfer_acked_unix_ns=ns["transfer_acked"],
-            prefill_tokens=prefilled, payload_bytes=sender.bytes_sent, payload_wire_ns=max(1, wire["ns"]),
+            prefill_start_unix_ns=ns["prefill_start"],
+            prefill_end_unix_ns=ns["prefill_end"],
+            state_saved_unix_ns=ns["state_saved"],
+            transfer_start_unix_ns=ns["transfer_start"],
+            first_segment_sent_unix_ns=ns["first_segment_sent"],
+            transfer_acked_unix_ns=ns["transfer_acked"],
+            prefill_tokens=prefilled,
+            payload_bytes=sender.bytes_sent,
+            payload_wire_ns=max(1, wire["ns"]),
         )
 
     def _send(self, data, buf) -> None:
@@ -440,8 +457,7 @@ class ProducerNode:
             for c in sorted(checkpoints):
                 self.store.save(session, cut=c, logits=checkpoints[c])
                 saved.append(c)
-        receipt["remembered"] = {"resident_tokens": len(tokens), "saved_cuts": saved,
-                                 "seconds": round(time.perf_counter() - t0, 4)}
+        receipt["remembered"] = {"resident_tokens": len(tokens), "saved_cuts": saved, "seconds": round(time.perf_counter() - t0, 4)}
 
 
 def digest_tokens(tokens) -> str:

@@ -221,8 +221,7 @@ class ReceiverNode:
         if self.exact.to_json() != cfg.identity or self.target != cfg.target_cache_identity_sha256:
             raise SecurityError(
                 "config",
-                f"{cfg.path}: the loaded engine's identity differs from the configured identity "
-                "(enroll the receiver with this engine's --identity file)",
+                f"{cfg.path}: the loaded engine's identity differs from the configured identity (enroll the receiver with this engine's --identity file)",
             )
         if self._check_volume:
             os.makedirs(os.path.dirname(cfg.replay_ledger), mode=0o700, exist_ok=True)
@@ -300,8 +299,7 @@ class ReceiverNode:
             with self._state_lock:
                 pending = self._pending
             if pending is None or pending.done:
-                self._refuse("unsolicited", "no outstanding request on this receiver", phase="begin", peer=peer,
-                             peer_leaf_sha256=chan.peer.leaf_sha256)
+                self._refuse("unsolicited", "no outstanding request on this receiver", phase="begin", peer=peer, peer_leaf_sha256=chan.peer.leaf_sha256)
                 return
             with pending.lock:
                 if pending.done:
@@ -323,9 +321,11 @@ class ReceiverNode:
             request_id=pending.request_id,
         )
         rx = Receiver(
-            HandoffReceiverConfig(self.key, cfg.hmac_key_id, cfg.minimum_hmac_epoch, layout=self.layout,
-                                  expectations=expectations),
-            sink, gate, now_unix_ms=pending.t0_ms, held_token_ids=pending.held_tokens,
+            HandoffReceiverConfig(self.key, cfg.hmac_key_id, cfg.minimum_hmac_epoch, layout=self.layout, expectations=expectations),
+            sink,
+            gate,
+            now_unix_ms=pending.t0_ms,
+            held_token_ids=pending.held_tokens,
         )
         stamps: dict[str, int] = {"connected_unix_ns": t_conn, "tls_verified_unix_ns": time.time_ns()}
         perf: dict[str, float] = {"begin_wait0": time.perf_counter()}
@@ -390,8 +390,7 @@ class ReceiverNode:
                 rx.abort(f"{type(exc).__name__}: {exc}")
             reason, detail = verdict_of(err)
             info = self._transfer_info(rx, sink, gate, perf, stamps, pending)
-            self._refuse(reason, detail, phase="admitted" if admitted else "begin", peer=peer,
-                         peer_leaf_sha256=chan.peer.leaf_sha256, **info)
+            self._refuse(reason, detail, phase="admitted" if admitted else "begin", peer=peer, peer_leaf_sha256=chan.peer.leaf_sha256, **info)
             pending.refusals.append((reason, detail))
             if admitted:
                 pending.finish(error=err)  # after admission a failure fails the request
@@ -409,8 +408,7 @@ class ReceiverNode:
         info["receipt_path"] = self.receipts.write(info)
         pending.finish(outcome=info)
 
-    def _transfer_info(self, rx: Receiver, sink: EngineSink, gate: _TimedLedger, perf: dict, stamps: dict,
-                       pending: Pending) -> dict:
+    def _transfer_info(self, rx: Receiver, sink: EngineSink, gate: _TimedLedger, perf: dict, stamps: dict, pending: Pending) -> dict:
         m = rx.manifest
         core = rx.seal_core()
         d: dict[str, float] = {}
@@ -446,13 +444,22 @@ class ReceiverNode:
 
     # -- requests -------------------------------------------------------------------------
 
-    def expect(self, request_id: str, prompt: Sequence[int], *, t0_ms: Optional[int] = None,
-               held: Optional[HeldPrefix] = None, held_source=None, wait_s: Optional[float] = None) -> Pending:
+    def expect(
+        self,
+        request_id: str,
+        prompt: Sequence[int],
+        *,
+        t0_ms: Optional[int] = None,
+        held: Optional[HeldPrefix] = None,
+        held_source=None,
+        wait_s: Optional[float] = None,
+    ) -> Pending:
         """Register the one outstanding request the next admitted begin must match."""
         prompt = tuple(int(t) for t in prompt)
         wait = accept_wait_s(self.config, len(prompt)) if wait_s is None else wait_s
-        p = Pending(request_id, prompt, now_ms() if t0_ms is None else t0_ms, time.monotonic() + wait,
-                    None if held is None else tuple(held.tokens), held_source)
+        p = Pending(
+            request_id, prompt, now_ms() if t0_ms is None else t0_ms, time.monotonic() + wait, None if held is None else tuple(held.tokens), held_source
+        )
         with self._state_lock:
             if self._pending is not None and not self._pending.done:
                 raise ProtocolError("state", "a request is already outstanding", remote=False)
@@ -517,8 +524,7 @@ class ReceiverNode:
             pending.finish(error=exc)
             raise
         try:
-            req = ControlRequestV1(rid, t0_ms + cfg.timeout_ms, tuple(tokens),
-                                   cfg.advertised_receiver_host or "127.0.0.1", self.advertised_port)
+            req = ControlRequestV1(rid, t0_ms + cfg.timeout_ms, tuple(tokens), cfg.advertised_receiver_host or "127.0.0.1", self.advertised_port)
             body = req.to_json()
             if cut:
                 body[EXT_PREFIX_CUT] = cut
@@ -563,8 +569,7 @@ class ReceiverNode:
         out["producer_receipt"] = None if final is None or final.receipt is None else final.receipt.to_json()
         return out
 
-    def generate(self, tokens: Sequence[int], max_new_tokens: int = 32, *, save: bool = False,
-                 stop_token_ids: Sequence[int] = ()) -> dict:
+    def generate(self, tokens: Sequence[int], max_new_tokens: int = 32, *, save: bool = False, stop_token_ids: Sequence[int] = ()) -> dict:
         """Serve one prompt: ladder, handoff (or local reuse), boundary token, greedy decode."""
         tokens = [int(t) for t in tokens]
         if len(tokens) < 2:
@@ -595,13 +600,14 @@ class ReceiverNode:
                 self.metrics.phases({"request_failed": time.perf_counter() - t_start})
                 raise
             self.metrics.reused.labels("receiver", plan.tier if plan.action is not ReuseAction.FULL_TRANSFER else "none").inc(
-                plan.matched if plan.action is not ReuseAction.FULL_TRANSFER else 0)
+                plan.matched if plan.action is not ReuseAction.FULL_TRANSFER else 0
+            )
             t_b = time.perf_counter()
             local_prefill = 0
             if self.session.position < len(tokens):
                 # the held-back boundary token (and nothing else) is computed here
                 local_prefill = len(tokens) - self.session.position
-                self.session.prefill(tokens[self.session.position:])
+                self.session.prefill(tokens[self.session.position :])
             boundary_s = time.perf_counter() - t_b
             ttft_s = time.perf_counter() - t_start
             self.metrics.prefilled.labels("receiver").inc(local_prefill)
@@ -625,8 +631,12 @@ class ReceiverNode:
                 tokens=out_tokens,
                 logits_sha256=__import__("hashlib").sha256(logits_bytes(rows)).hexdigest(),
                 tokens_sha256=__import__("hashlib").sha256(json.dumps(out_tokens).encode()).hexdigest(),
-                ttft_s=round(ttft_s, 6), boundary_s=round(boundary_s, 6), decode_s=round(decode_s, 6),
-                local_prefill_tokens=local_prefill, session_before=before, saved=saved,
+                ttft_s=round(ttft_s, 6),
+                boundary_s=round(boundary_s, 6),
+                decode_s=round(decode_s, 6),
+                local_prefill_tokens=local_prefill,
+                session_before=before,
+                saved=saved,
             )
             self._last_logit_rows = rows
             return result
@@ -687,8 +697,12 @@ class ReceiverNode:
 
                     tokens = chat_tokens(self.engine, str(req["prompt"]), chat=bool(req.get("chat", True)))
                 eos = getattr(getattr(self.engine, "tokenizer", None), "eos_token_id", None)
-                res = self.generate(tokens, int(req.get("max_new_tokens", 32)), save=bool(req.get("save", False)),
-                                    stop_token_ids=[eos] if eos is not None and req.get("stop_at_eos", True) else ())
+                res = self.generate(
+                    tokens,
+                    int(req.get("max_new_tokens", 32)),
+                    save=bool(req.get("save", False)),
+                    stop_token_ids=[eos] if eos is not None and req.get("stop_at_eos", True) else (),
+                )
                 if getattr(self.engine, "tokenizer", None) is not None:
                     res["text"] = self.engine.decode(res["tokens"])
                 reply = {"ok": True, "result": res}

@@ -120,8 +120,7 @@ class _Fields:
             raise self.refuse(name, f"must be in {lo}..{hi}, got {value}")
         return value
 
-    def string(self, name: str, *, lo: int = 1, hi: int = 4096, pattern: re.Pattern[str] | None = None,
-               byte_length: bool = False) -> str:
+    def string(self, name: str, *, lo: int = 1, hi: int = 4096, pattern: re.Pattern[str] | None = None, byte_length: bool = False) -> str:
         value = self.obj[name]
         if not isinstance(value, str):
             raise self.refuse(name, f"must be a string, got {value!r}")
@@ -226,12 +225,26 @@ class DflashGeometry:
 # -- receiver config (C.15) --------------------------------------------------------------------------
 
 _RECEIVER_REQUIRED = {
-    "schema_version", "listen", "certificate_chain", "private_key", "peer_ca", "peer_leaf_sha256",
-    "hmac_key_file", "hmac_key_id", "minimum_hmac_epoch", "replay_ledger", "timeout_ms",
-    "wait_for_producer_ms", "identity", "target_cache_identity_sha256",
+    "schema_version",
+    "listen",
+    "certificate_chain",
+    "private_key",
+    "peer_ca",
+    "peer_leaf_sha256",
+    "hmac_key_file",
+    "hmac_key_id",
+    "minimum_hmac_epoch",
+    "replay_ledger",
+    "timeout_ms",
+    "wait_for_producer_ms",
+    "identity",
+    "target_cache_identity_sha256",
 }
 _RECEIVER_OPTIONAL = {
-    "advertised_receiver_host", "producer_control", "producer_mode", "dflash_identity_sha256",
+    "advertised_receiver_host",
+    "producer_control",
+    "producer_mode",
+    "dflash_identity_sha256",
     "dflash_context_geometry",
 }
 
@@ -271,15 +284,13 @@ class ReceiverConfig:
 
     def data_endpoint(self) -> TlsEndpoint:
         """The Handoff V2 listener's TLS endpoint (server side, ALPN muser-kvpack-v2)."""
-        return TlsEndpoint(self.certificate_chain, self.private_key, self.peer_ca,
-                           self.peer_leaf_sha256, DATA_ALPN)
+        return TlsEndpoint(self.certificate_chain, self.private_key, self.peer_ca, self.peer_leaf_sha256, DATA_ALPN)
 
     def control_endpoint(self) -> TlsEndpoint:
         """The control-plane client endpoint (errata L8: same leaf, same pins, SNI server_name)."""
         if self.producer_control is None:
             raise SecurityError("config", f"{self.path}: no producer_control configured")
-        return TlsEndpoint(self.certificate_chain, self.private_key, self.peer_ca,
-                           self.peer_leaf_sha256, CONTROL_ALPN, self.producer_control.server_name)
+        return TlsEndpoint(self.certificate_chain, self.private_key, self.peer_ca, self.peer_leaf_sha256, CONTROL_ALPN, self.producer_control.server_name)
 
     def load_hmac_key(self) -> bytes:
         return load_hmac_key(self.hmac_key_file)
@@ -293,8 +304,7 @@ def load_receiver_config(path: str | os.PathLike[str], *, check_files: bool = Tr
     if f.integer("schema_version", 0, U32_MAX) != 1:
         raise f.refuse("schema_version", "must be 1")
     listen_host, listen_port = parse_socket_address(obj["listen"], f"{f.where}.listen")
-    paths = {name: _resolve(base, f.string(name)) for name in
-             ("certificate_chain", "private_key", "peer_ca", "hmac_key_file", "replay_ledger")}
+    paths = {name: _resolve(base, f.string(name)) for name in ("certificate_chain", "private_key", "peer_ca", "hmac_key_file", "replay_ledger")}
     pins_raw = obj["peer_leaf_sha256"]
     if not isinstance(pins_raw, list):
         raise f.refuse("peer_leaf_sha256", "must be a list of pins")
@@ -303,14 +313,12 @@ def load_receiver_config(path: str | os.PathLike[str], *, check_files: bool = Tr
     minimum_epoch = f.integer("minimum_hmac_epoch", 1, U64_MAX)
     timeout_ms = f.integer("timeout_ms", 1, 900_000)
     wait_ms = f.integer("wait_for_producer_ms", 1, timeout_ms)
-    advertised = f.string("advertised_receiver_host", hi=253, pattern=_HOST_CHARS) if f.has(
-        "advertised_receiver_host") else None
+    advertised = f.string("advertised_receiver_host", hi=253, pattern=_HOST_CHARS) if f.has("advertised_receiver_host") else None
     control = None
     if f.has("producer_control"):
         c = _Fields(obj["producer_control"], f"{f.where}.producer_control", required={"address", "server_name"})
         host, port = parse_host_port(obj["producer_control"]["address"], f"{c.where}.address")
-        control = ProducerControl(obj["producer_control"]["address"], host, port,
-                                  c.string("server_name", hi=253, pattern=_SERVER_NAME))
+        control = ProducerControl(obj["producer_control"]["address"], host, port, c.string("server_name", hi=253, pattern=_SERVER_NAME))
         if advertised is None:
             raise f.refuse("producer_control", "requires advertised_receiver_host")
     mode = "exact"
@@ -323,15 +331,15 @@ def load_receiver_config(path: str | os.PathLike[str], *, check_files: bool = Tr
     dflash_id = f.hex64("dflash_identity_sha256") if f.has("dflash_identity_sha256") else None
     geometry = None
     if f.has("dflash_context_geometry"):
-        g = _Fields(obj["dflash_context_geometry"], f"{f.where}.dflash_context_geometry",
-                    required={"layers", "elements_per_token", "sink_size", "window_size"})
+        g = _Fields(obj["dflash_context_geometry"], f"{f.where}.dflash_context_geometry", required={"layers", "elements_per_token", "sink_size", "window_size"})
         geometry = DflashGeometry(
-            g.integer("layers", 1, U32_MAX), g.integer("elements_per_token", 1, U32_MAX),
-            g.integer("sink_size", 0, U32_MAX), g.integer("window_size", 1, U32_MAX),
+            g.integer("layers", 1, U32_MAX),
+            g.integer("elements_per_token", 1, U32_MAX),
+            g.integer("sink_size", 0, U32_MAX),
+            g.integer("window_size", 1, U32_MAX),
         )
     if (dflash_id is None) != (geometry is None):
-        raise SecurityError("config", f"{f.where}: dflash_identity_sha256 and dflash_context_geometry "
-                                      "must appear together")
+        raise SecurityError("config", f"{f.where}: dflash_identity_sha256 and dflash_context_geometry must appear together")
     if mode == "native" and dflash_id is not None:
         raise SecurityError("config", f"{f.where}: producer_mode 'native' forbids DFlash")
     if check_files:
@@ -341,13 +349,25 @@ def load_receiver_config(path: str | os.PathLike[str], *, check_files: bool = Tr
         load_hmac_key(paths["hmac_key_file"])
         check_ca_file(paths["peer_ca"], f"{f.where}.peer_ca")
     return ReceiverConfig(
-        path=p, listen_host=listen_host, listen_port=listen_port,
-        certificate_chain=paths["certificate_chain"], private_key=paths["private_key"],
-        peer_ca=paths["peer_ca"], peer_leaf_sha256=pins, hmac_key_file=paths["hmac_key_file"],
-        hmac_key_id=key_id, minimum_hmac_epoch=minimum_epoch, replay_ledger=paths["replay_ledger"],
-        timeout_ms=timeout_ms, wait_for_producer_ms=wait_ms, advertised_receiver_host=advertised,
-        producer_control=control, producer_mode=mode, identity=identity,
-        target_cache_identity_sha256=target, dflash_identity_sha256=dflash_id,
+        path=p,
+        listen_host=listen_host,
+        listen_port=listen_port,
+        certificate_chain=paths["certificate_chain"],
+        private_key=paths["private_key"],
+        peer_ca=paths["peer_ca"],
+        peer_leaf_sha256=pins,
+        hmac_key_file=paths["hmac_key_file"],
+        hmac_key_id=key_id,
+        minimum_hmac_epoch=minimum_epoch,
+        replay_ledger=paths["replay_ledger"],
+        timeout_ms=timeout_ms,
+        wait_for_producer_ms=wait_ms,
+        advertised_receiver_host=advertised,
+        producer_control=control,
+        producer_mode=mode,
+        identity=identity,
+        target_cache_identity_sha256=target,
+        dflash_identity_sha256=dflash_id,
         dflash_context_geometry=geometry,
     )
 
@@ -355,8 +375,14 @@ def load_receiver_config(path: str | os.PathLike[str], *, check_files: bool = Tr
 # -- producer config (kvpack's own) -------------------------------------------------------------------
 
 _PRODUCER_REQUIRED = {
-    "schema_version", "node_name", "certificate_chain", "private_key", "peer_ca", "control_listen",
-    "generation_ledger", "receivers",
+    "schema_version",
+    "node_name",
+    "certificate_chain",
+    "private_key",
+    "peer_ca",
+    "control_listen",
+    "generation_ledger",
+    "receivers",
 }
 _RECEIVER_ENTRY = {"name", "server_name", "leaf_sha256", "hmac_key_file", "hmac_key_id", "hmac_epoch"}
 
@@ -377,13 +403,13 @@ class ProducerReceiver:
 class ProducerConfig:
     """A loaded producer config::
 
-        {"schema_version": 1, "node_name": "prefill-a",
-         "certificate_chain": "tls/node.crt", "private_key": "tls/node.key", "peer_ca": "tls/ca.crt",
-         "control_listen": "127.0.0.1:29591",
-         "generation_ledger": "state/generation-ledger.json",
-         "receivers": [{"name": "decode-a", "server_name": "decode-a", "leaf_sha256": ["<hex>"],
-                        "hmac_key_file": "hmac/<key_id>.key", "hmac_key_id": "<key_id>",
-                        "hmac_epoch": 1}]}
+    {"schema_version": 1, "node_name": "prefill-a",
+     "certificate_chain": "tls/node.crt", "private_key": "tls/node.key", "peer_ca": "tls/ca.crt",
+     "control_listen": "127.0.0.1:29591",
+     "generation_ledger": "state/generation-ledger.json",
+     "receivers": [{"name": "decode-a", "server_name": "decode-a", "leaf_sha256": ["<hex>"],
+                    "hmac_key_file": "hmac/<key_id>.key", "hmac_key_id": "<key_id>",
+                    "hmac_epoch": 1}]}
     """
 
     path: str
@@ -405,8 +431,7 @@ class ProducerConfig:
     def data_endpoint(self, receiver: str) -> TlsEndpoint:
         """Client endpoint for a Handoff V2 connection to one receiver (its pins and name)."""
         r = self.receiver(receiver)
-        return TlsEndpoint(self.certificate_chain, self.private_key, self.peer_ca, r.leaf_sha256,
-                           DATA_ALPN, r.server_name)
+        return TlsEndpoint(self.certificate_chain, self.private_key, self.peer_ca, r.leaf_sha256, DATA_ALPN, r.server_name)
 
     def control_endpoint(self) -> TlsEndpoint:
         """Server endpoint of the control listener: any enrolled receiver's leaf is accepted."""
@@ -421,8 +446,7 @@ def load_producer_config(path: str | os.PathLike[str], *, check_files: bool = Tr
     if f.integer("schema_version", 0, U32_MAX) != 1:
         raise f.refuse("schema_version", "must be 1")
     node_name = f.string("node_name", hi=253, pattern=_SERVER_NAME)
-    paths = {name: _resolve(base, f.string(name)) for name in
-             ("certificate_chain", "private_key", "peer_ca", "generation_ledger")}
+    paths = {name: _resolve(base, f.string(name)) for name in ("certificate_chain", "private_key", "peer_ca", "generation_ledger")}
     host, port = parse_socket_address(obj["control_listen"], f"{f.where}.control_listen")
     entries = obj["receivers"]
     if not isinstance(entries, list) or not entries:
@@ -437,14 +461,16 @@ def load_producer_config(path: str | os.PathLike[str], *, check_files: bool = Tr
         names.add(name)
         if not isinstance(entry["leaf_sha256"], list):
             raise e.refuse("leaf_sha256", "must be a list of pins")
-        receivers.append(ProducerReceiver(
-            name=name,
-            server_name=e.string("server_name", hi=253, pattern=_SERVER_NAME),
-            leaf_sha256=validate_pins(entry["leaf_sha256"], what=f"{e.where}.leaf_sha256"),
-            hmac_key_file=_resolve(base, e.string("hmac_key_file")),
-            hmac_key_id=e.string("hmac_key_id", lo=1, hi=128, byte_length=True),
-            hmac_epoch=e.integer("hmac_epoch", 1, U64_MAX),
-        ))
+        receivers.append(
+            ProducerReceiver(
+                name=name,
+                server_name=e.string("server_name", hi=253, pattern=_SERVER_NAME),
+                leaf_sha256=validate_pins(entry["leaf_sha256"], what=f"{e.where}.leaf_sha256"),
+                hmac_key_file=_resolve(base, e.string("hmac_key_file")),
+                hmac_key_id=e.string("hmac_key_id", lo=1, hi=128, byte_length=True),
+                hmac_epoch=e.integer("hmac_epoch", 1, U64_MAX),
+            )
+        )
     if check_files:
         for name in ("certificate_chain", "private_key", "peer_ca"):
             _require_file(paths[name], f"{f.where}.{name}")
@@ -453,8 +479,13 @@ def load_producer_config(path: str | os.PathLike[str], *, check_files: bool = Tr
         for r in receivers:
             load_hmac_key(r.hmac_key_file)
     return ProducerConfig(
-        path=p, node_name=node_name, certificate_chain=paths["certificate_chain"],
-        private_key=paths["private_key"], peer_ca=paths["peer_ca"], control_listen_host=host,
-        control_listen_port=port, generation_ledger=paths["generation_ledger"],
+        path=p,
+        node_name=node_name,
+        certificate_chain=paths["certificate_chain"],
+        private_key=paths["private_key"],
+        peer_ca=paths["peer_ca"],
+        control_listen_host=host,
+        control_listen_port=port,
+        generation_ledger=paths["generation_ledger"],
         receivers=tuple(receivers),
     )

@@ -78,8 +78,7 @@ def generate_key():
 def key_pem(key) -> bytes:
     from cryptography.hazmat.primitives import serialization
 
-    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                             serialization.NoEncryption())
+    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
 
 
 def cert_pem(cert) -> bytes:
@@ -101,19 +100,31 @@ def make_ca(common_name: str, *, days: int = DEFAULT_CA_DAYS, key=None):
     from cryptography.x509.oid import NameOID
 
     key = key or generate_key()
-    name = x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "kvpack"),
-                      x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+    name = x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "kvpack"), x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
     now = _now()
     cert = (
         x509.CertificateBuilder()
-        .subject_name(name).issuer_name(name).public_key(key.public_key())
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
-        .not_valid_before(now - BACKDATE).not_valid_after(now + _dt.timedelta(days=days))
+        .not_valid_before(now - BACKDATE)
+        .not_valid_after(now + _dt.timedelta(days=days))
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .add_extension(x509.KeyUsage(digital_signature=False, content_commitment=False,
-                                     key_encipherment=False, data_encipherment=False,
-                                     key_agreement=False, key_cert_sign=True, crl_sign=True,
-                                     encipher_only=False, decipher_only=False), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=False,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=True,
+                crl_sign=True,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
         .sign(key, hashes.SHA256())
     )
@@ -125,9 +136,7 @@ def make_csr(key, common_name: str):
     from cryptography.hazmat.primitives import hashes
     from cryptography.x509.oid import NameOID
 
-    return (x509.CertificateSigningRequestBuilder()
-            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)]))
-            .sign(key, hashes.SHA256()))
+    return x509.CertificateSigningRequestBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])).sign(key, hashes.SHA256())
 
 
 def _san_entries(names: Iterable[str]):
@@ -142,8 +151,9 @@ def _san_entries(names: Iterable[str]):
     return out
 
 
-def issue_leaf(ca_key, ca_cert, csr, sans: Iterable[str], *, days: int = DEFAULT_LEAF_DAYS,
-               not_before: _dt.datetime | None = None, not_after: _dt.datetime | None = None):
+def issue_leaf(
+    ca_key, ca_cert, csr, sans: Iterable[str], *, days: int = DEFAULT_LEAF_DAYS, not_before: _dt.datetime | None = None, not_after: _dt.datetime | None = None
+):
     """Sign a node CSR: SANs from the caller (the registry), EKU serverAuth+clientAuth (errata H1)."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes
@@ -156,20 +166,31 @@ def issue_leaf(ca_key, ca_cert, csr, sans: Iterable[str], *, days: int = DEFAULT
     end = not_after or (now + _dt.timedelta(days=days))
     return (
         x509.CertificateBuilder()
-        .subject_name(csr.subject).issuer_name(ca_cert.subject).public_key(csr.public_key())
+        .subject_name(csr.subject)
+        .issuer_name(ca_cert.subject)
+        .public_key(csr.public_key())
         .serial_number(x509.random_serial_number())
-        .not_valid_before(start).not_valid_after(end)
+        .not_valid_before(start)
+        .not_valid_after(end)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(x509.KeyUsage(digital_signature=True, content_commitment=False,
-                                     key_encipherment=False, data_encipherment=False,
-                                     key_agreement=False, key_cert_sign=False, crl_sign=False,
-                                     encipher_only=False, decipher_only=False), critical=True)
-        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
-                                              ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=False,
+                crl_sign=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
         .add_extension(x509.SubjectAlternativeName(_san_entries(sans)), critical=False)
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(csr.public_key()), critical=False)
-        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_cert.public_key()),
-                       critical=False)
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_cert.public_key()), critical=False)
         .sign(ca_key, hashes.SHA256())
     )
 
@@ -198,16 +219,14 @@ class Cluster:
 
     # -- lifecycle ---------------------------------------------------------------------------------
     @classmethod
-    def init(cls, root: str, *, identity: dict[str, Any] | None = None, rotate: bool = False,
-             ca_days: int = DEFAULT_CA_DAYS) -> "Cluster":
+    def init(cls, root: str, *, identity: dict[str, Any] | None = None, rotate: bool = False, ca_days: int = DEFAULT_CA_DAYS) -> "Cluster":
         """Create the cluster CA (or, with ``rotate``, replace it and re-issue every node)."""
         root = os.path.abspath(root)
         registry_path = os.path.join(root, REGISTRY)
         with _EnrollLock(root):
             if os.path.exists(registry_path):
                 if not rotate:
-                    raise SecurityError("enrollment", f"{root!r} is already an enrolled cluster; "
-                                                      "use --rotate to replace its CA")
+                    raise SecurityError("enrollment", f"{root!r} is already an enrolled cluster; use --rotate to replace its CA")
                 cluster = cls.open(root)
                 if identity is not None:
                     cluster.registry["default_identity"] = identity
@@ -216,8 +235,7 @@ class Cluster:
             if rotate:
                 raise SecurityError("enrollment", f"{root!r} is not an enrolled cluster; nothing to rotate")
             ensure_dir(root)
-            cluster = cls(root, {"schema_version": 1, "ca": {}, "default_identity": identity,
-                                 "nodes": {}, "pairs": []})
+            cluster = cls(root, {"schema_version": 1, "ca": {}, "default_identity": identity, "nodes": {}, "pairs": []})
             cluster._new_ca(ca_days, generation=1)
             cluster._save()
             return cluster
@@ -230,8 +248,7 @@ class Cluster:
             with open(path, "rb") as fh:
                 data = fh.read()
         except FileNotFoundError:
-            raise SecurityError("enrollment", f"{root!r} is not an enrolled cluster (no {REGISTRY}); "
-                                              "run kvpack enroll init first") from None
+            raise SecurityError("enrollment", f"{root!r} is not an enrolled cluster (no {REGISTRY}); run kvpack enroll init first") from None
         registry = strict_json_loads(data, source=path)
         if not isinstance(registry, dict) or registry.get("schema_version") != 1:
             raise SecurityError("enrollment", f"{path}: unsupported registry")
@@ -247,9 +264,12 @@ class Cluster:
         key, cert = make_ca(f"kvpack cluster CA {secrets.token_hex(4)}", days=days)
         atomic_write(os.path.join(self.ca_dir, "ca.key"), key_pem(key), mode=0o600)
         atomic_write(os.path.join(self.ca_dir, "ca.crt"), cert_pem(cert), mode=0o644)
-        self.registry["ca"] = {"sha256": cert_sha256(cert), "subject": cert.subject.rfc4514_string(),
-                               "not_after": cert.not_valid_after_utc.isoformat(),
-                               "generation": generation}
+        self.registry["ca"] = {
+            "sha256": cert_sha256(cert),
+            "subject": cert.subject.rfc4514_string(),
+            "not_after": cert.not_valid_after_utc.isoformat(),
+            "generation": generation,
+        }
 
     def _load_ca(self):
         from cryptography import x509
@@ -274,36 +294,40 @@ class Cluster:
         self._write_all_configs()
 
     # -- nodes ----------------------------------------------------------------------------------------
-    def enroll_node(self, name: str, role: str | None, *, rotate: bool = False,
-                    listen: str | None = None, control_listen: str | None = None,
-                    identity: dict[str, Any] | None = None, extra_sans: Iterable[str] = (),
-                    days: int = DEFAULT_LEAF_DAYS) -> dict[str, Any]:
+    def enroll_node(
+        self,
+        name: str,
+        role: str | None,
+        *,
+        rotate: bool = False,
+        listen: str | None = None,
+        control_listen: str | None = None,
+        identity: dict[str, Any] | None = None,
+        extra_sans: Iterable[str] = (),
+        days: int = DEFAULT_LEAF_DAYS,
+    ) -> dict[str, Any]:
         with _EnrollLock(self.root):
             nodes = self.registry["nodes"]
             if not NAME_RE.match(name or ""):
-                raise SecurityError("enrollment", f"node name {name!r} must be 1..60 of [a-z0-9-], "
-                                                  "starting and ending alphanumeric (it is a DNS SAN)")
+                raise SecurityError("enrollment", f"node name {name!r} must be 1..60 of [a-z0-9-], starting and ending alphanumeric (it is a DNS SAN)")
             if rotate:
                 if name not in nodes:
                     raise SecurityError("enrollment", f"node {name!r} is not enrolled; nothing to rotate")
                 if role is not None and role != nodes[name]["role"]:
-                    raise SecurityError("enrollment", f"node {name!r} is a {nodes[name]['role']}; "
-                                                      "rotation keeps the role")
+                    raise SecurityError("enrollment", f"node {name!r} is a {nodes[name]['role']}; rotation keeps the role")
                 return self._rotate_node(name, days)
             if name in nodes:
-                raise SecurityError("enrollment", f"node {name!r} is already enrolled; use --rotate "
-                                                  "to re-key it")
+                raise SecurityError("enrollment", f"node {name!r} is already enrolled; use --rotate to re-key it")
             if role not in ROLES:
                 raise SecurityError("enrollment", f"role must be one of {ROLES}, got {role!r}")
-            entry: dict[str, Any] = {"role": role, "pki_generation": 0, "days": days,
-                                     "sans": list(dict.fromkeys([name, *LOOPBACK_SANS, *extra_sans]))}
+            entry: dict[str, Any] = {"role": role, "pki_generation": 0, "days": days, "sans": list(dict.fromkeys([name, *LOOPBACK_SANS, *extra_sans]))}
             if role == "receiver":
                 entry["listen"] = listen or DEFAULT_RECEIVER_LISTEN
                 ident = identity or self.registry.get("default_identity")
                 if ident is None:
                     raise SecurityError(
-                        "enrollment", f"receiver {name!r} needs the model identity it will admit: "
-                        "pass --identity FILE here or to 'enroll init'")
+                        "enrollment", f"receiver {name!r} needs the model identity it will admit: pass --identity FILE here or to 'enroll init'"
+                    )
                 entry["identity"] = ident
             elif role == "producer":
                 entry["control_listen"] = control_listen or DEFAULT_CONTROL_LISTEN
@@ -313,8 +337,7 @@ class Cluster:
             if counterpart:
                 for other in sorted(n for n, e in nodes.items() if e["role"] == counterpart):
                     producer, receiver = (name, other) if role == "producer" else (other, name)
-                    pair = {"producer": producer, "receiver": receiver,
-                            "key_id": key_id_for(producer, receiver), "epoch": 1}
+                    pair = {"producer": producer, "receiver": receiver, "key_id": key_id_for(producer, receiver), "epoch": 1}
                     self.registry["pairs"].append(pair)
                     self._write_pair_key(pair)
             self._save()
@@ -423,16 +446,29 @@ class Cluster:
             if pair["producer"] != name:
                 continue
             r = pair["receiver"]
-            receivers.append({"name": r, "server_name": r, "leaf_sha256": [nodes[r]["leaf_sha256"]],
-                              "hmac_key_file": f"hmac/{pair['key_id']}.key",
-                              "hmac_key_id": pair["key_id"], "hmac_epoch": pair["epoch"]})
+            receivers.append(
+                {
+                    "name": r,
+                    "server_name": r,
+                    "leaf_sha256": [nodes[r]["leaf_sha256"]],
+                    "hmac_key_file": f"hmac/{pair['key_id']}.key",
+                    "hmac_key_id": pair["key_id"],
+                    "hmac_epoch": pair["epoch"],
+                }
+            )
         path = self.producer_config_path(name)
         if not receivers:
             return  # nothing to hand off to yet; written when the first receiver enrolls
-        cfg = {"schema_version": 1, "node_name": name, "certificate_chain": "tls/node.crt",
-               "private_key": "tls/node.key", "peer_ca": "tls/ca.crt",
-               "control_listen": nodes[name]["control_listen"],
-               "generation_ledger": "state/generation-ledger.json", "receivers": receivers}
+        cfg = {
+            "schema_version": 1,
+            "node_name": name,
+            "certificate_chain": "tls/node.crt",
+            "private_key": "tls/node.key",
+            "peer_ca": "tls/ca.crt",
+            "control_listen": nodes[name]["control_listen"],
+            "generation_ledger": "state/generation-ledger.json",
+            "receivers": receivers,
+        }
         atomic_write(path, json.dumps(cfg, indent=2, sort_keys=True).encode() + b"\n", mode=0o600)
 
     # -- storage nodes: SSH pin (session migration, docs/migration.md) -----------------------------------
@@ -447,8 +483,11 @@ class Cluster:
             if entry is None or entry["role"] != "storage":
                 raise SecurityError("enrollment", f"node {name!r} is not an enrolled storage node")
             parts = host_key.strip().split()
-            if len(parts) < 2 or not re.fullmatch(r"(ssh-ed25519|ecdsa-sha2-nistp(256|384|521)|ssh-rsa)", parts[0]) \
-                    or not re.fullmatch(r"[A-Za-z0-9+/]+={0,3}", parts[1]):
+            if (
+                len(parts) < 2
+                or not re.fullmatch(r"(ssh-ed25519|ecdsa-sha2-nistp(256|384|521)|ssh-rsa)", parts[0])
+                or not re.fullmatch(r"[A-Za-z0-9+/]+={0,3}", parts[1])
+            ):
                 raise SecurityError("enrollment", "host key must be an OpenSSH public key line")
             host, _, port = address.rpartition(":")
             if not host or not port.isdigit() or not 0 < int(port) < 65536:
@@ -458,8 +497,7 @@ class Cluster:
             if not os.path.isabs(lane_dir) or "\n" in lane_dir:
                 raise SecurityError("enrollment", "lane dir must be an absolute path")
             fingerprint = "SHA256:" + base64.b64encode(hashlib.sha256(base64.b64decode(parts[1])).digest()).decode().rstrip("=")
-            entry["ssh"] = {"address": address, "user": user, "host_key": f"{parts[0]} {parts[1]}",
-                            "host_key_sha256": fingerprint, "lane_dir": lane_dir}
+            entry["ssh"] = {"address": address, "user": user, "host_key": f"{parts[0]} {parts[1]}", "host_key_sha256": fingerprint, "lane_dir": lane_dir}
             self._save()
             return entry
 
@@ -467,11 +505,18 @@ class Cluster:
     def show(self) -> dict[str, Any]:
         nodes = []
         for name, entry in sorted(self.registry["nodes"].items()):
-            nodes.append({"name": name, "role": entry["role"], "leaf_sha256": entry["leaf_sha256"],
-                          "not_after": entry["not_after"], "pki_generation": entry["pki_generation"],
-                          "sans": entry["sans"], "dir": os.path.relpath(self.node_dir(name), self.root)})
-        pairs = [{"producer": p["producer"], "receiver": p["receiver"], "key_id": p["key_id"],
-                  "epoch": p["epoch"]} for p in self.registry["pairs"]]
+            nodes.append(
+                {
+                    "name": name,
+                    "role": entry["role"],
+                    "leaf_sha256": entry["leaf_sha256"],
+                    "not_after": entry["not_after"],
+                    "pki_generation": entry["pki_generation"],
+                    "sans": entry["sans"],
+                    "dir": os.path.relpath(self.node_dir(name), self.root),
+                }
+            )
+        pairs = [{"producer": p["producer"], "receiver": p["receiver"], "key_id": p["key_id"], "epoch": p["epoch"]} for p in self.registry["pairs"]]
         return {"cluster": self.root, "ca": self.registry["ca"], "nodes": nodes, "pairs": pairs}
 
 
@@ -493,12 +538,9 @@ def load_identity_file(path: str) -> dict[str, Any]:
             obj = strict_json_loads(fh.read(), source=path)
     except OSError as exc:
         raise SecurityError("enrollment", f"cannot read identity file {path!r}: {exc.strerror}") from None
-    allowed = {"identity", "target_cache_identity_sha256", "producer_mode", "dflash_identity_sha256",
-               "dflash_context_geometry"}
-    if not isinstance(obj, dict) or not {"identity", "target_cache_identity_sha256"} <= set(obj) \
-            or set(obj) - allowed:
-        raise SecurityError("enrollment", f"identity file {path!r} must hold identity and "
-                                          f"target_cache_identity_sha256 (optional: {sorted(allowed)})")
+    allowed = {"identity", "target_cache_identity_sha256", "producer_mode", "dflash_identity_sha256", "dflash_context_geometry"}
+    if not isinstance(obj, dict) or not {"identity", "target_cache_identity_sha256"} <= set(obj) or set(obj) - allowed:
+        raise SecurityError("enrollment", f"identity file {path!r} must hold identity and target_cache_identity_sha256 (optional: {sorted(allowed)})")
     parse_identity(obj["identity"], f"{path}.identity")
     for name in ("target_cache_identity_sha256", "dflash_identity_sha256"):
         value = obj.get(name)
@@ -521,8 +563,7 @@ class _EnrollLock:
             _EnrollLock._held[self.root] += 1  # re-entrant within one call chain
             return self
         ensure_dir(self.root)
-        self.fd = os.open(os.path.join(self.root, ".enroll.lock"),
-                          os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        self.fd = os.open(os.path.join(self.root, ".enroll.lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:

@@ -96,13 +96,10 @@ def admission_refusal(
         what = "replayed" if generation == watermark else "stale"
         return SecurityError(
             "replay",
-            f"{what} generation {generation} for {ledger_key(key_id, epoch)}: the highest "
-            f"reserved generation is {watermark}",
+            f"{what} generation {generation} for {ledger_key(key_id, epoch)}: the highest reserved generation is {watermark}",
         )
     if epoch < minimum_epoch:
-        return SecurityError(
-            "epoch", f"HMAC epoch {epoch} is below the configured minimum {minimum_epoch}"
-        )
+        return SecurityError("epoch", f"HMAC epoch {epoch} is below the configured minimum {minimum_epoch}")
     return None
 
 
@@ -141,17 +138,13 @@ def decode_ledger(data: bytes, *, source: str = "replay ledger") -> dict[str, in
     except (UnicodeDecodeError, ValueError) as exc:
         raise SecurityError("ledger", f"{source} is not valid ledger JSON: {exc}") from None
     if not isinstance(obj, dict) or set(obj) != {"highest_generation"}:
-        raise SecurityError(
-            "ledger", f"{source} must be an object with exactly the field 'highest_generation'"
-        )
+        raise SecurityError("ledger", f"{source} must be an object with exactly the field 'highest_generation'")
     table = obj["highest_generation"]
     if not isinstance(table, dict):
         raise SecurityError("ledger", f"{source}: 'highest_generation' must be an object")
     for key, value in table.items():
         if not _is_u64(value):
-            raise SecurityError(
-                "ledger", f"{source}: watermark for {key!r} must be a u64 integer, got {value!r}"
-            )
+            raise SecurityError("ledger", f"{source}: watermark for {key!r} must be a u64 integer, got {value!r}")
     return dict(table)
 
 
@@ -168,8 +161,7 @@ class ReplayLedger:
     (a process exit releases it too).
     """
 
-    def __init__(self, path: str, *, minimum_epoch: int, ops: FileOps, lock_fd: int,
-                 highest: dict[str, int]) -> None:
+    def __init__(self, path: str, *, minimum_epoch: int, ops: FileOps, lock_fd: int, highest: dict[str, int]) -> None:
         self.path = path
         self.minimum_epoch = minimum_epoch
         self._ops = ops
@@ -200,18 +192,14 @@ class ReplayLedger:
         try:
             _remove_stale_temps(directory, name)
             if os.path.lexists(target):
-                data = read_protected_file(
-                    target, what="replay ledger", max_size=LEDGER_MAX_BYTES, category="ledger"
-                )
+                data = read_protected_file(target, what="replay ledger", max_size=LEDGER_MAX_BYTES, category="ledger")
                 highest = decode_ledger(data, source=f"replay ledger {target!r}")
             else:
                 highest = {}
                 try:
                     atomic_write(target, encode_ledger(highest), ops=ops)
                 except DurableIOError as exc:
-                    raise SecurityError(
-                        "ledger", f"cannot create the replay ledger {target!r}: {exc}"
-                    ) from exc
+                    raise SecurityError("ledger", f"cannot create the replay ledger {target!r}: {exc}") from exc
         except BaseException:
             os.close(lock_fd)
             raise
@@ -235,8 +223,12 @@ class ReplayLedger:
     def _refuse_if_inadmissible(self, key_id: str, epoch: int, generation: int) -> None:
         """The C.9 admission rules against the current state; call with the mutex held."""
         refusal = admission_refusal(
-            self._highest, key_id, epoch, generation,
-            minimum_epoch=self.minimum_epoch, degraded=self._degraded,
+            self._highest,
+            key_id,
+            epoch,
+            generation,
+            minimum_epoch=self.minimum_epoch,
+            degraded=self._degraded,
         )
         if refusal is not None:
             raise refusal

@@ -85,9 +85,7 @@ def probe_volume(
         try:
             atomic_write(target, payload, ops=ops)
         except DurableIOError as exc:
-            raise SecurityError(
-                "volume", f"ledger volume probe failed in {target_dir!r}: {exc}"
-            ) from exc
+            raise SecurityError("volume", f"ledger volume probe failed in {target_dir!r}: {exc}") from exc
         samples.append((time.perf_counter_ns() - start) / 1e6)
         try:
             ops.unlink(target)

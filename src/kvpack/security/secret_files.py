@@ -83,10 +83,7 @@ def read_protected_file(
     try:
         after = os.fstat(fd)
         if (after.st_dev, after.st_ino) != (before.st_dev, before.st_ino):
-            raise refuse(
-                "was replaced between lstat and open (device/inode changed); refusing a file "
-                "that changes while it is being loaded"
-            )
+            raise refuse("was replaced between lstat and open (device/inode changed); refusing a file that changes while it is being loaded")
         _check_stat(after, refuse, max_size, symlink_possible=False)
         chunks: list[bytes] = []
         remaining = max_size + 1
@@ -111,10 +108,7 @@ def _check_stat(st: os.stat_result, refuse, max_size: int, *, symlink_possible: 
     if not stat.S_ISREG(mode):
         raise refuse("is not a regular file")
     if mode & 0o077:
-        raise refuse(
-            f"has group/other permission bits (mode {stat.S_IMODE(mode):04o}); it must be "
-            "readable by its owner only: chmod 600"
-        )
+        raise refuse(f"has group/other permission bits (mode {stat.S_IMODE(mode):04o}); it must be readable by its owner only: chmod 600")
     if st.st_size > max_size:
         raise refuse(f"is {st.st_size} bytes, larger than the {max_size}-byte limit")
 
@@ -128,8 +122,7 @@ def parse_hmac_key(data: bytes, *, source: str = "HMAC key file") -> bytes:
     except UnicodeDecodeError:
         raise SecurityError(
             "secret_file",
-            f"{source} is {len(data)} bytes and not UTF-8: it must hold exactly 32 raw bytes "
-            "or 64 lowercase hex digits",
+            f"{source} is {len(data)} bytes and not UTF-8: it must hold exactly 32 raw bytes or 64 lowercase hex digits",
         ) from None
     # Only trailing CR/LF is trimmed (Rust trim_end_matches); leading or inner whitespace is an
     # error, so a key file that the receiver accepts is accepted by every producer too (M7).
@@ -142,9 +135,7 @@ def parse_hmac_key(data: bytes, *, source: str = "HMAC key file") -> bytes:
         )
     chars = set(text)
     if not chars <= _HEX_ANY:
-        raise SecurityError(
-            "secret_file", f"{source} has 64 characters but they are not all hex digits"
-        )
+        raise SecurityError("secret_file", f"{source} has 64 characters but they are not all hex digits")
     if not chars <= _HEX_LOWER:
         raise SecurityError(
             "secret_file",
@@ -153,20 +144,12 @@ def parse_hmac_key(data: bytes, *, source: str = "HMAC key file") -> bytes:
     return bytes.fromhex(text)
 
 
-def load_hmac_key(
-    path: str | os.PathLike[str], *, before_open: BeforeOpenHook | None = None
-) -> bytes:
+def load_hmac_key(path: str | os.PathLike[str], *, before_open: BeforeOpenHook | None = None) -> bytes:
     """Load a 32-byte HMAC key from a key file under the full C.10 contract."""
-    data = read_protected_file(
-        path, what="HMAC key file", max_size=HMAC_KEY_MAX_BYTES, before_open=before_open
-    )
+    data = read_protected_file(path, what="HMAC key file", max_size=HMAC_KEY_MAX_BYTES, before_open=before_open)
     return parse_hmac_key(data, source=f"HMAC key file {os.fspath(path)!r}")
 
 
-def load_private_key_pem(
-    path: str | os.PathLike[str], *, before_open: BeforeOpenHook | None = None
-) -> bytes:
+def load_private_key_pem(path: str | os.PathLike[str], *, before_open: BeforeOpenHook | None = None) -> bytes:
     """Load a TLS private key file's bytes under the key-file contract (errata L10)."""
-    return read_protected_file(
-        path, what="TLS private key", max_size=PRIVATE_KEY_MAX_BYTES, before_open=before_open
-    )
+    return read_protected_file(path, what="TLS private key", max_size=PRIVATE_KEY_MAX_BYTES, before_open=before_open)

@@ -73,9 +73,7 @@ def validate_pins(pins: Iterable[str], *, what: str = "peer leaf pin set") -> fr
         raise SecurityError("config", f"{what} is empty: at least one leaf SHA-256 pin is required")
     for pin in out:
         if not isinstance(pin, str) or not _PIN_RE.match(pin):
-            raise SecurityError(
-                "config", f"{what} entry {pin!r} is not 64 lowercase hex digits (SHA-256 of a DER leaf)"
-            )
+            raise SecurityError("config", f"{what} entry {pin!r} is not 64 lowercase hex digits (SHA-256 of a DER leaf)")
     return out
 
 
@@ -98,14 +96,17 @@ class TlsEndpoint:
     def __post_init__(self) -> None:
         object.__setattr__(self, "peer_pins", validate_pins(self.peer_pins))
         if self.alpn not in (DATA_ALPN, CONTROL_ALPN):
-            raise SecurityError(
-                "config", f"ALPN {self.alpn!r} is not a kvpack protocol ({DATA_ALPN!r} or {CONTROL_ALPN!r})"
-            )
+            raise SecurityError("config", f"ALPN {self.alpn!r} is not a kvpack protocol ({DATA_ALPN!r} or {CONTROL_ALPN!r})")
 
     def with_server_name(self, server_name: str) -> "TlsEndpoint":
         return TlsEndpoint(
-            self.certificate_chain, self.private_key, self.peer_ca, self.peer_pins, self.alpn,
-            server_name, self.handshake_timeout,
+            self.certificate_chain,
+            self.private_key,
+            self.peer_ca,
+            self.peer_pins,
+            self.alpn,
+            server_name,
+            self.handshake_timeout,
         )
 
 
@@ -145,9 +146,7 @@ def _load_identity(ctx: ssl.SSLContext, endpoint: TlsEndpoint) -> None:
 
         load_pem_private_key(key_bytes, password=None)
     except (ValueError, TypeError) as exc:
-        raise SecurityError(
-            "secret_file", f"TLS private key {endpoint.private_key!r} is not an unencrypted PEM key: {exc}"
-        ) from None
+        raise SecurityError("secret_file", f"TLS private key {endpoint.private_key!r} is not an unencrypted PEM key: {exc}") from None
     memfd = getattr(os, "memfd_create", None)
     fd = -1
     try:
@@ -210,9 +209,7 @@ def verify_peer(tls: ssl.SSLSocket | ssl.SSLObject, pins: Iterable[str], alpn: s
         raise SecurityError("certificate", "peer presented no certificate")
     pin = leaf_sha256(der)
     if pin not in pinset:
-        raise SecurityError(
-            "pin", f"peer leaf sha256 {pin} is not in the pin set ({len(pinset)} pinned leaves)"
-        )
+        raise SecurityError("pin", f"peer leaf sha256 {pin} is not in the pin set ({len(pinset)} pinned leaves)")
     cipher = tls.cipher()
     return PeerInfo(pin, selected, version, cipher[0] if cipher else "")
 
@@ -244,9 +241,7 @@ def map_tls_error(exc: BaseException, *, stage: str, peer: str = "") -> Security
     if isinstance(exc, SecurityError):
         return exc
     if isinstance(exc, ssl.SSLCertVerificationError):
-        return SecurityError(
-            "certificate", f"{where}: peer certificate refused: {exc.verify_message or exc.reason}"
-        )
+        return SecurityError("certificate", f"{where}: peer certificate refused: {exc.verify_message or exc.reason}")
     if isinstance(exc, ssl.SSLError):
         reason = (exc.reason or str(exc)).upper()
         if reason == "PEER_DID_NOT_RETURN_A_CERTIFICATE":
@@ -271,8 +266,7 @@ def map_tls_error(exc: BaseException, *, stage: str, peer: str = "") -> Security
 def _closed_before_speaking(peer: str) -> SecurityError:
     return SecurityError(
         "tls",
-        f"peer {peer} closed the connection before sending anything: it refused this connection "
-        "(our leaf pin, ALPN or certificate) or aborted",
+        f"peer {peer} closed the connection before sending anything: it refused this connection (our leaf pin, ALPN or certificate) or aborted",
     )
 
 
@@ -436,8 +430,7 @@ def _await_server_confirmation(tls: ssl.SSLSocket, deadline: float, peer: str) -
             if remaining <= 0:
                 raise SecurityError(
                     "tls",
-                    f"server {peer} did not confirm the connection (no TLS 1.3 session ticket, "
-                    "data or alert) before the handshake deadline",
+                    f"server {peer} did not confirm the connection (no TLS 1.3 session ticket, data or alert) before the handshake deadline",
                 )
             select.select([tls], [], [], remaining)
     finally:
@@ -553,8 +546,7 @@ STREAM_LIMIT = 8 << 20
 class AsyncTlsChannel:
     """A verified mTLS connection over asyncio streams (same contract as :class:`TlsChannel`)."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: PeerInfo,
-                 *, side: str) -> None:
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: PeerInfo, *, side: str) -> None:
         self.reader = reader
         self.writer = writer
         self.peer = peer
@@ -616,8 +608,7 @@ class AsyncTlsChannel:
             pass
 
 
-async def _await_async_confirmation(reader: asyncio.StreamReader, sslobj: ssl.SSLObject,
-                                    deadline: float, peer: str) -> None:
+async def _await_async_confirmation(reader: asyncio.StreamReader, sslobj: ssl.SSLObject, deadline: float, peer: str) -> None:
     # asyncio's SSL protocol reads eagerly, so the ticket (or alert) is processed as it arrives;
     # we observe it through the SSLObject. A short poll is the only public way to see a ticket.
     while True:
@@ -632,9 +623,7 @@ async def _await_async_confirmation(reader: asyncio.StreamReader, sslobj: ssl.SS
         if reader.at_eof():
             raise _closed_before_speaking(peer)
         if time.monotonic() >= deadline:
-            raise SecurityError(
-                "tls", f"server {peer} did not confirm the connection before the handshake deadline"
-            )
+            raise SecurityError("tls", f"server {peer} did not confirm the connection before the handshake deadline")
         await asyncio.sleep(0.002)
 
 
@@ -666,7 +655,8 @@ async def open_channel(
         tune_socket(writer.get_extra_info("socket"))
         try:
             await writer.start_tls(
-                ctx, server_hostname=name,
+                ctx,
+                server_hostname=name,
                 ssl_handshake_timeout=max(0.001, deadline - time.monotonic()),
             )
         except (OSError, ssl.SSLError, asyncio.TimeoutError) as exc:

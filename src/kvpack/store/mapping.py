@@ -65,5 +65,7 @@ def logits_span(layout: CacheLayout, cut: int) -> Span:
 
 def logits_family(layer: int, plaintext_bytes: int, family: Family) -> Family:
     """The family extended by the logits state, used to verify the logits chunk object."""
-    state = FamilyState(key=StateKey(layer, LOGITS_NAME), dtype=1, codec=C.CODEC_RAW, dims=(0, plaintext_bytes), token_axis=0, elements_per_token=plaintext_bytes)
+    state = FamilyState(
+        key=StateKey(layer, LOGITS_NAME), dtype=1, codec=C.CODEC_RAW, dims=(0, plaintext_bytes), token_axis=0, elements_per_token=plaintext_bytes
+    )
     return Family(family.engine_cache_abi, family.topology, family.shard_map, family.states + (state,), family.mode, family.page_size_tokens)

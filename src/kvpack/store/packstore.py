@@ -326,8 +326,15 @@ class PackStore:
             lspan = logits_span(layout, cut)
             salt, nonce = self._salt_nonce()
             lchunk = encode_chunk(
-                keys=self.keys, family_digest=ctx.family_digest, key=lkey, span=lspan, plaintext=mid + bytes(logits), codec=C.CODEC_RAW,
-                encrypted=self.encrypted, salt=salt, nonce=nonce,
+                keys=self.keys,
+                family_digest=ctx.family_digest,
+                key=lkey,
+                span=lspan,
+                plaintext=mid + bytes(logits),
+                codec=C.CODEC_RAW,
+                encrypted=self.encrypted,
+                salt=salt,
+                nonce=nonce,
             )
             atomic_write(self.logits_path(mid), lchunk.obj, ops=self.ops, mode=0o600)
             # the commit point: from here on the cut is findable
@@ -437,7 +444,15 @@ class PackStore:
 
     def _write_one_chunk(self, ctx: _Context, fs, index: int, span, plaintext):
         content_id = chunk_content_id(
-            self.keys.chunk_identity, self.tenant, ctx.family_digest, fs.key.layer, fs.key.name, span.token_start, span.token_count, span.plaintext_offset, plaintext
+            self.keys.chunk_identity,
+            self.tenant,
+            ctx.family_digest,
+            fs.key.layer,
+            fs.key.name,
+            span.token_start,
+            span.token_count,
+            span.plaintext_offset,
+            plaintext,
         )
         path = self.chunk_path(content_id)
         ref = self._existing_ref(path, content_id)
@@ -445,8 +460,16 @@ class PackStore:
             return fs.key, index, ref, False, span.plaintext_bytes
         salt, nonce = self._salt_nonce()
         chunk = encode_chunk(
-            keys=self.keys, family_digest=ctx.family_digest, key=fs.key, span=span, plaintext=plaintext, codec=fs.codec,
-            encrypted=self.encrypted, salt=salt, nonce=nonce, content_id=content_id,
+            keys=self.keys,
+            family_digest=ctx.family_digest,
+            key=fs.key,
+            span=span,
+            plaintext=plaintext,
+            codec=fs.codec,
+            encrypted=self.encrypted,
+            salt=salt,
+            nonce=nonce,
+            content_id=content_id,
         )
         atomic_write(path, chunk.obj, ops=self.ops, mode=0o600, sync_dir=False)
         return fs.key, index, chunk.ref, True, span.plaintext_bytes
@@ -531,7 +554,12 @@ class PackStore:
                 raise
         t1 = time.perf_counter()
         return RestoreReport(
-            hit.manifest_id.hex(), hit.cut, len(chain), verified, nbytes, t1 - t0,
+            hit.manifest_id.hex(),
+            hit.cut,
+            len(chain),
+            verified,
+            nbytes,
+            t1 - t0,
             {"packs_s": t_packs - t0, "chunks_s": t_chunks - t_packs, "logits_commit_s": t1 - t_chunks, **self.__dict__.pop("_last_device_phases", {})},
             hashed_on,
         )
@@ -610,7 +638,9 @@ class PackStore:
         def verify_into(job, item, view, slot: int, dev, lo: int, row: int) -> int:
             manifest, key, span, ref, a, b = job
             obj, _n = self._read_chunk_into(ref, memoryview(view)[slot * SLOT_BYTES : (slot + 1) * SLOT_BYTES])
-            plaintext = decode_chunk(obj, ref=ref, span=span, tenant=self.tenant, family=manifest.family, key=key, keys=self.keys, family_digest=ctx.family_digest)
+            plaintext = decode_chunk(
+                obj, ref=ref, span=span, tenant=self.tenant, family=manifest.family, key=key, keys=self.keys, family_digest=ctx.family_digest
+            )
             stager.copy_rows(item, plaintext, (a - span.token_start) * row, (b - a) * row, dev, (a - lo) * row)
             return ref.object_bytes
 
@@ -835,7 +865,9 @@ class PackStore:
                         obj = fh.read()
             except FileNotFoundError:
                 raise StoreError("incomplete", f"chunk {ref.content_id.hex()} is missing") from None
-            plaintext = decode_chunk(obj, ref=ref, span=span, tenant=self.tenant, family=manifest.family, key=key, keys=self.keys, family_digest=ctx.family_digest)
+            plaintext = decode_chunk(
+                obj, ref=ref, span=span, tenant=self.tenant, family=manifest.family, key=key, keys=self.keys, family_digest=ctx.family_digest
+            )
             if slot is None:
                 return plaintext
             slot.upload(plaintext)
@@ -860,7 +892,13 @@ class PackStore:
         ref = ChunkRef(header.content_id, header.object_key, hashlib.sha256(obj).digest(), self.epoch, span.plaintext_bytes, len(obj))
         family = logits_family(layer, header.plaintext_bytes, manifest.family)
         plaintext = decode_chunk(
-            obj, ref=ref, span=span, tenant=self.tenant, family=family, key=StateKey(layer, LOGITS_NAME), keys=self.keys,
+            obj,
+            ref=ref,
+            span=span,
+            tenant=self.tenant,
+            family=family,
+            key=StateKey(layer, LOGITS_NAME),
+            keys=self.keys,
             family_digest=manifest.family.digest(),
         )
         if plaintext[:32] != mid:
