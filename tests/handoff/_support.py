@@ -8,7 +8,6 @@ from typing import Optional
 
 from kvpack.errors import ProtocolError, SecurityError
 from kvpack.handoff.admission import AdmissionExpectations
-from kvpack.handoff.frames import frame_bytes
 from kvpack.handoff.manifest import (
     PROTOCOL,
     BeginManifestV2,

@@ -1,6 +1,5 @@
 """KVPKV2 frame codec (C.2-C.3): layout, limits before allocation, split feeding."""
 
-import random
 import struct
 import tracemalloc
 

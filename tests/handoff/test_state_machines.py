@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 from kvpack.errors import ProtocolError
 from kvpack.handoff.events import Abort, Ack
-from kvpack.handoff.frames import decode_all, frame_bytes
+from kvpack.handoff.frames import decode_all
 from kvpack.handoff.manifest import SealManifestV2
 from kvpack.handoff.sender import Sender
 from kvpack.handoff.state import (
@@ -18,9 +18,7 @@ from kvpack.handoff.state import (
     transition,
 )
 
-from ._support import KEY, build_transfer, manifest, payloads_for, receiver
-from kvpack.handoff.schedule import schedule_span
-from ._support import TINY
+from ._support import KEY, build_transfer, receiver
 
 _M, _FRAMES, _INTENTS, _PAYLOADS, _S = build_transfer(deferred=True)
 _DECODED = decode_all(b"".join(_FRAMES))

@@ -4,7 +4,6 @@ Every tampered stream must be refused with a typed, named reason; the sink's com
 never run and nothing may become live; a sink that was opened must be aborted exactly once.
 """
 
-import dataclasses
 import random
 import struct
 
@@ -296,7 +295,6 @@ def test_incomplete_deferred_schedule_refused_at_seal():
 
 def test_sender_ack_checks():
     m, frames, *_ = build_transfer(deferred=True)
-    from kvpack.handoff.sender import Sender
 
     for bad in (
         frame_bytes(Ack(m.transfer_id, m.generation + 1)),

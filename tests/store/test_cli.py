@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from .helpers import TOKENS, engine, new_store, session_with
+from .helpers import TOKENS, engine, session_with
 
 KVPACK = [sys.executable, "-m", "kvpack.cli"]
 
