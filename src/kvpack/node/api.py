@@ -184,7 +184,7 @@ async def _json_body(request: Request, model: type[BaseModel], *, optional: bool
     try:
         return model.model_validate_json(bytes(data), strict=True)
     except ValidationError as exc:
-        first = exc.errors()[0] if exc.errors() else {}
+        first: dict[str, Any] = dict(exc.errors()[0]) if exc.errors() else {}
         where = ".".join(str(p) for p in first.get("loc", ())) or "body"
         raise ApiError(400, "invalid_request_error", f"{where}: {first.get('msg', 'invalid body')}") from None
 
@@ -193,7 +193,7 @@ def _openapi_body(model: type[BaseModel], content_type: str = "application/json"
     return {"requestBody": {"required": True, "content": {content_type: {"schema": model.model_json_schema(ref_template="#/components/schemas/{model}")}}}}
 
 
-_ERRORS = {status: {"model": ErrorBody} for status in (400, 401, 403, 404, 409, 413, 415)}
+_ERRORS: dict[int | str, dict[str, Any]] = {status: {"model": ErrorBody} for status in (400, 401, 403, 404, 409, 413, 415)}
 
 
 # -- the app -------------------------------------------------------------------------------------------------
@@ -224,7 +224,7 @@ class AuthTlsMiddleware:
         return await self.app(scope, receive, send)
 
 
-def create_app(svc) -> FastAPI:
+def create_app(svc) -> tuple[AuthTlsMiddleware, FastAPI]:
     app = FastAPI(
         title="kvpack decode node",
         version="1",
@@ -373,15 +373,13 @@ def server_ssl_context(tls: dict[str, str]):
     """TLS 1.3-only server context from the enrolled node certificate; the key is read under the
     secret-file contract and handed to OpenSSL as the exact checked bytes (security.tls)."""
     import ssl
-    from types import SimpleNamespace
-
-    from ..security.tls import _load_identity
+    from ..security.tls import load_identity
 
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_3
     ctx.maximum_version = ssl.TLSVersion.TLSv1_3
     ctx.set_alpn_protocols(["http/1.1"])
-    _load_identity(ctx, SimpleNamespace(certificate_chain=tls["certificate_chain"], private_key=tls["private_key"]))
+    load_identity(ctx, tls["certificate_chain"], tls["private_key"])
     return ctx
 
 

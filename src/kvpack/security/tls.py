@@ -128,25 +128,26 @@ def _base_context(protocol: int, endpoint: TlsEndpoint) -> ssl.SSLContext:
         ctx.load_verify_locations(cafile=endpoint.peer_ca)
     except (OSError, ssl.SSLError) as exc:
         raise SecurityError("certificate", f"cannot load peer CA {endpoint.peer_ca!r}: {exc}") from None
-    _load_identity(ctx, endpoint)
+    load_identity(ctx, endpoint.certificate_chain, endpoint.private_key)
     ctx.set_alpn_protocols([endpoint.alpn])
     return ctx
 
 
-def _load_identity(ctx: ssl.SSLContext, endpoint: TlsEndpoint) -> None:
-    """Load our chain and key; the key bytes come through the secret-file contract.
+def load_identity(ctx: ssl.SSLContext, certificate_chain: str, private_key: str) -> None:
+    """Load our chain and key (both paths) into ``ctx``; the key bytes come through the
+    secret-file contract. Public: the node API's HTTPS context loads its identity this way.
 
     ``ssl`` only loads keys by path, which would reopen the file after our checks. So the
     checked bytes are handed over through an anonymous memory file (Linux memfd) and OpenSSL
     reads exactly what was validated. Without memfd we fall back to the validated path.
     """
-    key_bytes = load_private_key_pem(endpoint.private_key)
+    key_bytes = load_private_key_pem(private_key)
     try:
         from cryptography.hazmat.primitives.serialization import load_pem_private_key
 
         load_pem_private_key(key_bytes, password=None)
     except (ValueError, TypeError) as exc:
-        raise SecurityError("secret_file", f"TLS private key {endpoint.private_key!r} is not an unencrypted PEM key: {exc}") from None
+        raise SecurityError("secret_file", f"TLS private key {private_key!r} is not an unencrypted PEM key: {exc}") from None
     memfd = getattr(os, "memfd_create", None)
     fd = -1
     try:
@@ -155,12 +156,12 @@ def _load_identity(ctx: ssl.SSLContext, endpoint: TlsEndpoint) -> None:
             os.write(fd, key_bytes)
             key_path = f"/proc/self/fd/{fd}"
         else:  # pragma: no cover - non-Linux
-            key_path = endpoint.private_key
-        ctx.load_cert_chain(certfile=endpoint.certificate_chain, keyfile=key_path)
+            key_path = private_key
+        ctx.load_cert_chain(certfile=certificate_chain, keyfile=key_path)
     except (OSError, ssl.SSLError) as exc:
         raise SecurityError(
             "certificate",
-            f"cannot load certificate chain {endpoint.certificate_chain!r} with its key: {exc}",
+            f"cannot load certificate chain {certificate_chain!r} with its key: {exc}",
         ) from None
     finally:
         if fd >= 0:
