@@ -81,13 +81,13 @@ def generate(engine, store: PackStore | None, prompt_tokens: list[int], *, max_n
     prompt_cut = session.position
     checkpoints[prompt_cut] = bytes(session.export_logits())
     ttft_s = time.perf_counter() - t0  # the first token is the argmax of the logits we now hold
-    saving = store is not None and save
+    saving_store = store if save else None  # the store this run saves into, if any
     windowed = bool(session.layout.windowed_layers())
     save_s = 0.0
-    if saving and windowed:
+    if saving_store is not None and windowed:
         # windowed layers hold the prompt cut's window only now, before decoding moves it
         t_save = time.perf_counter()
-        store.save(session)
+        saving_store.save(session)
         save_s += time.perf_counter() - t_save
     eos = getattr(engine.tokenizer, "eos_token_id", None) if engine.tokenizer is not None else None
     t_decode = time.perf_counter()
@@ -95,18 +95,18 @@ def generate(engine, store: PackStore | None, prompt_tokens: list[int], *, max_n
     decode_s = time.perf_counter() - t_decode
     saved: list[int] = []
     manifest_id = None
-    if saving:
+    if saving_store is not None:
         t_save = time.perf_counter()
         if not windowed:
             # full-span layers keep every row: save the aligned checkpoints and the prompt's
             # exact cut from the final session, off the TTFT path
             for cut in sorted(checkpoints):
-                store.save(session, cut=cut, logits=checkpoints[cut])
+                saving_store.save(session, cut=cut, logits=checkpoints[cut])
         saved = sorted(c for c in checkpoints if c % PREFIX_BLOCK_TOKENS == 0 or c == prompt_cut)
         # The decoded continuation is not saved: a cut reached by decode steps is exact for
         # its own continuation but is not what a chunked prefill of the same tokens computes,
         # and "same prompt, same text, reused or not" must hold (docs/store.md).
-        hit = store.find_deepest(prompt_tokens, engine.layout, engine.identity.ids())
+        hit = saving_store.find_deepest(prompt_tokens, engine.layout, engine.identity.ids())
         manifest_id = hit.manifest_id.hex() if hit is not None and hit.cut == prompt_cut else None
         save_s += time.perf_counter() - t_save
     text = engine.decode(new_tokens) if engine.tokenizer is not None else ""

@@ -137,12 +137,12 @@ class ArraySession:
             raise EngineError("layout", f"rows [{start}, {stop}) outside retained [{lo}, {hi})")
         if start == stop:
             return memoryview(b"")
-        return memoryview(np.ascontiguousarray(self.planes[(layer, role)][start - lo : stop - lo])).cast("B")
+        return np.ascontiguousarray(self.planes[(layer, role)][start - lo : stop - lo]).data.cast("B")
 
     def export_logits(self) -> memoryview:
         if self.last_logits is None:
             raise EngineError("install", "no final logits at this cut")
-        return memoryview(self.last_logits.astype("<f4")).cast("B")
+        return self.last_logits.astype("<f4").data.cast("B")
 
     def state_digest(self, layer: int, role: str) -> bytes:
         """SHA-256 of the retained rows of one state in wire form (for restore proofs)."""

@@ -194,8 +194,9 @@ class StagingSlot:
         self._host_addr = self.host.data_ptr()
         with torch.inference_mode(False):
             self.device_buf = torch.empty(stager.device_bytes, dtype=torch.uint8, device=stager.device)
-        self.uploaded_event = torch.cuda.Event() if stager.cuda else None
-        self.done_event = torch.cuda.Event() if stager.cuda else None
+        # torch is untyped (Any); the events exist exactly when the stager is on CUDA.
+        self.uploaded_event: Any = torch.cuda.Event() if stager.cuda else None
+        self.done_event: Any = torch.cuda.Event() if stager.cuda else None
         self._done_recorded = False
         self.nbytes = 0
         self.in_place = False
@@ -291,7 +292,7 @@ class RestoreStager:
         self.cuda = self.device.type == "cuda"
         self.host_bytes = host_bytes
         self.device_bytes = device_bytes
-        self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.copy_stream: Any = torch.cuda.Stream(self.device) if self.cuda else None
         self._free: queue.LifoQueue = queue.LifoQueue()
         self._lock = threading.Lock()
         self.slots = 0
@@ -343,7 +344,7 @@ class PlaneStager:
         torch = _torch()
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
-        self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.copy_stream: Any = torch.cuda.Stream(self.device) if self.cuda else None
         self._free: dict[int, list] = {}
         self._lock = threading.Lock()
 

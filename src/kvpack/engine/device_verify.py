@@ -81,8 +81,9 @@ class Wave:
                 self.out_dev = torch.empty((jobs, 8), dtype=torch.int32, device=ring.device)
         self.host_np = self.host.numpy()
         self.stream = torch.cuda.Stream(ring.device) if cuda else None
-        self.hashed = torch.cuda.Event() if cuda else None
-        self.installed = torch.cuda.Event() if cuda else None
+        # torch is untyped (Any); the events exist exactly when the ring is on CUDA.
+        self.hashed: Any = torch.cuda.Event() if cuda else None
+        self.installed: Any = torch.cuda.Event() if cuda else None
         self._installed_pending = False
         self._count = 0
         self._host_digests: list[bytes] = []

@@ -170,7 +170,7 @@ class TransformersEngine:
             if type(layer_obj) not in (DynamicLayer, DynamicSlidingWindowLayer):
                 raise EngineError("unsupported", f"layer {i}: cache class {type(layer_obj).__name__}")
             position = "nope" if _NOPE_RULES[model_type](ltype) else "rope"
-            if sliding:
+            if isinstance(layer_obj, DynamicSlidingWindowLayer):
                 window = int(layer_obj.sliding_window)
                 if window != int(cfg.sliding_window) or window < 2:
                     raise EngineError("layout", f"layer {i}: window {window} disagrees with config")

@@ -88,14 +88,15 @@ def load_config(path: str) -> NodeConfig:
         raise MigrationError("usage", f"config {path}: unknown keys {sorted(unknown)}")
     base = os.path.dirname(path)
 
-    def rel(value: Any, what: str, required: bool = False) -> str | None:
+    def rel_required(value: Any, what: str) -> str:
         if value is None:
-            if required:
-                raise MigrationError("usage", f"config {path}: {what} is required")
-            return None
+            raise MigrationError("usage", f"config {path}: {what} is required")
         if not isinstance(value, str) or not value:
             raise MigrationError("usage", f"config {path}: {what} must be a path")
         return os.path.normpath(os.path.join(base, value))
+
+    def rel(value: Any, what: str, required: bool = False) -> str | None:
+        return None if value is None and not required else rel_required(value, what)
 
     listen = raw.get("listen", "127.0.0.1:0")
     host, _, port = str(listen).rpartition(":")
@@ -118,11 +119,11 @@ def load_config(path: str) -> NodeConfig:
     return NodeConfig(
         path=path,
         node_name=str(name),
-        home=rel(raw.get("home"), "home", True),
+        home=rel_required(raw.get("home"), "home"),
         host=host,
         port=port_n,
         tls=tls,
-        api_key_file=rel(raw.get("api_key_file"), "api_key_file", True),
+        api_key_file=rel_required(raw.get("api_key_file"), "api_key_file"),
         peer_api_key_file=rel(raw.get("peer_api_key_file"), "peer_api_key_file"),
         peer_ca=rel(raw.get("peer_ca"), "peer_ca") or (tls or {}).get("ca"),
         cluster_dir=rel(raw.get("cluster_dir"), "cluster_dir"),

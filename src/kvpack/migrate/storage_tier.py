@@ -240,6 +240,8 @@ class StorageDestination:
 
     # -- destination interface ------------------------------------------------------------------------
     def lookup(self, tid: str, rec: dict[str, Any] | None = None) -> tuple[str | None, int]:
+        if rec is None:  # the storage node's scripts are keyed by the record's size and digest
+            raise TypeError("StorageDestination.lookup needs the transfer record")
         out = self.run(LOOKUP.format(**self.vars(rec)), what="lookup").decode().strip()
         if out == "committed":
             return M.COMMITTED, int(rec["bytes"])
@@ -264,6 +266,7 @@ class StorageDestination:
         proc = subprocess.Popen(
             self.argv(UPLOAD.format(**self.vars(rec, offset=offset))), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
         )
+        assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None  # all three are PIPEs
         sent = offset
         try:
             with open(path, "rb") as fh:

@@ -235,6 +235,8 @@ class Ladder:
             return held.source
         t0 = time.perf_counter()
         scratch = self.engine.new_session()
+        # a durable hit's source is the (hit, tokens) pair its restore needs (see ``plan``)
+        assert isinstance(held.source, tuple)
         hit, hit_tokens = held.source
         self.store.restore(hit, scratch, list(hit_tokens))
         held.restore_s = time.perf_counter() - t0

@@ -23,6 +23,8 @@ Series (``role`` is ``receiver`` or ``producer``):
 
 from __future__ import annotations
 
+from wsgiref.simple_server import WSGIServer
+
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, start_http_server
 
 _BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -41,7 +43,7 @@ class NodeMetrics:
         self.reserve_s = Histogram("kvpack_ledger_reserve_seconds", "Ledger reservation latency", ["role"], buckets=_BUCKETS, registry=r)
         self.prefilled = Counter("kvpack_prefilled_tokens", "Tokens prefilled on this node", ["role"], registry=r)
         self.reused = Counter("kvpack_reused_tokens", "Tokens reused instead of recomputed", ["role", "tier"], registry=r)
-        self._server = None
+        self._server: WSGIServer | None = None
         self.port: int | None = None
 
     # -- recording -------------------------------------------------------------------------

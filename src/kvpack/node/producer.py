@@ -36,6 +36,7 @@ import socket
 import ssl
 import threading
 import time
+from dataclasses import dataclass
 from typing import Optional
 
 from ..durable import atomic_write, ensure_dir
@@ -106,6 +107,16 @@ class GenerationLedger:
             self._lock_fd = -1
 
 
+@dataclass
+class _WireProgress:
+    """What the send thread reports to the job thread: time in writes, payload bytes, and
+    the failure that stopped it (re-raised by the job thread)."""
+
+    ns: int = 0
+    bytes: int = 0
+    error: BaseException | None = None
+
+
 class _Cancelled(Exception):
     pass
 
@@ -156,8 +167,8 @@ class ProducerNode:
         self._by_pin = {pin: r for r in cfg.receivers for pin in r.leaf_sha256}
         self._ctl_ep = cfg.control_endpoint()
         self._ctl_ctx = server_context(self._ctl_ep)
-        self._data = {r.name: (cfg.data_endpoint(r.name), None) for r in cfg.receivers}
-        self._data = {name: (ep, client_context(ep)) for name, (ep, _) in self._data.items()}
+        endpoints = {r.name: cfg.data_endpoint(r.name) for r in cfg.receivers}
+        self._data = {name: (ep, client_context(ep)) for name, ep in endpoints.items()}
         self._listener = listen(cfg.control_listen_host, cfg.control_listen_port)
         self.control_port = self._listener.getsockname()[1]
         self._thread = threading.Thread(target=self._serve, name="kvpack-producer", daemon=True)
@@ -179,9 +190,11 @@ class ProducerNode:
 
     def _serve(self) -> None:
         # One control connection at a time (errata H2): a second request waits in the backlog.
+        listener = self._listener
+        assert listener is not None  # start() binds it before starting this thread
         while not self._stopping.is_set():
             try:
-                raw, _ = self._listener.accept()
+                raw, _ = listener.accept()
             except OSError:
                 return
             try:
@@ -277,6 +290,7 @@ class ProducerNode:
             self.store.restore(hit, session, prompt[: hit.cut])
             return hit.cut, "durable"
         if best_res:
+            assert held is not None  # best_res > 0 only from a resident hit
             install = session.begin_install(best_res, prompt[:best_res], self.engine.identity)
             try:
                 copy_prefix(held.source, install, self.geometry, best_res)
@@ -292,6 +306,7 @@ class ProducerNode:
         position = len(prompt) - 1  # the receiver holds back the boundary token
         tokens = prompt[:position]
         cut = hint if hint and hint % 256 == 0 and 0 < hint < position else 0
+        assert self.ledger is not None  # opened by start()
         gen = self.ledger.take()  # durable before use: never reused
         transfer_id = f"{req.request_id}-{gen}"
         created = now_ms()
@@ -317,7 +332,7 @@ class ProducerNode:
         ns["transfer_start"] = time.time_ns()
         data = connect(ep, req.receiver_host, req.receiver_port, context=ctx)
         out_q: "queue.Queue" = queue.Queue(maxsize=4)  # bounded: prefill never runs far ahead
-        wire = {"ns": 0, "bytes": 0, "error": None}
+        wire = _WireProgress()
 
         def write(buffers) -> None:
             t = time.perf_counter_ns()
@@ -325,7 +340,7 @@ class ProducerNode:
                 if self.wire_tap is not None:
                     self.wire_tap(bytes(b))
                 self._send(data, b)
-            wire["ns"] += time.perf_counter_ns() - t
+            wire.ns += time.perf_counter_ns() - t
 
         def sender_loop() -> None:
             try:
@@ -335,11 +350,11 @@ class ProducerNode:
                         return
                     payload, seg = item
                     write(sender.send_segment(payload, seg))
-                    wire["bytes"] += len(payload)
+                    wire.bytes += len(payload)
                     if "first_segment_sent" not in ns:
                         ns["first_segment_sent"] = time.time_ns()
             except BaseException as exc:  # noqa: BLE001 - reported by the job thread
-                wire["error"] = exc
+                wire.error = exc
                 while True:  # unblock the producer side
                     try:
                         if out_q.get_nowait() is None:
@@ -360,8 +375,8 @@ class ProducerNode:
             checkpoints: dict[int, bytes] = {}
 
             def ship_ready(s) -> None:
-                if wire["error"] is not None:
-                    raise wire["error"]
+                if wire.error is not None:
+                    raise wire.error
                 if readable(ctl.sock):  # errata H2: the receiver spoke or left: cancel
                     raise _Cancelled()
                 if s.position % 256 == 0 and s.position > reused and self.store is not None:
@@ -381,8 +396,8 @@ class ProducerNode:
             ns["state_saved"] = time.time_ns()
             out_q.put(None)
             tx.join()
-            if wire["error"] is not None:
-                raise wire["error"]
+            if wire.error is not None:
+                raise wire.error
             write(sender.seal())
             data.settimeout(60.0)
             ack = None
@@ -407,7 +422,7 @@ class ProducerNode:
         prefilled = position - reused
         self.metrics.prefilled.labels("producer").inc(prefilled)
         self.metrics.reused.labels("producer", tier).inc(reused)
-        self.metrics.phases({"prefill": prefill_s, "wire": wire["ns"] / 1e9})
+        self.metrics.phases({"prefill": prefill_s, "wire": wire.ns / 1e9})
         receipt.update(
             reused_tokens=reused,
             reuse_tier=tier,
@@ -427,7 +442,7 @@ class ProducerNode:
             transfer_acked_unix_ns=ns["transfer_acked"],
             prefill_tokens=prefilled,
             payload_bytes=sender.bytes_sent,
-            payload_wire_ns=max(1, wire["ns"]),
+            payload_wire_ns=max(1, wire.ns),
         )
 
     def _send(self, data, buf) -> None:

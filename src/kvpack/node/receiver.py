@@ -41,7 +41,7 @@ import ssl
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from ..errors import EngineError, KvpackError, ProtocolError, SecurityError
 from ..handoff.admission import AdmissionExpectations
@@ -51,7 +51,7 @@ from ..handoff.receiver import Admitted, Committed, Receiver, SegmentStored
 from ..handoff.receiver import ReceiverConfig as HandoffReceiverConfig
 from ..security.config import ReceiverConfig
 from ..security.ledger import ReplayLedger
-from ..security.probe import check_ledger_volume
+from ..security.probe import ProbeResult, check_ledger_volume
 from ..security.tls import client_context, connect, listen, server_context, wrap_accepted
 from .common import ReceiptWriter, close_listener, greedy, logits_bytes, now_ms, read_control, readable, verdict_of
 from .ladder import HeldPrefix, Ladder, Plan, ResidentRadix, RowsSource
@@ -79,7 +79,7 @@ class EngineSink:
         self.geometry = geometry
         self.identity = identity
         self.held_source = held_source
-        self.install = None
+        self.install: Any = None  # the engine's install handle (engines are duck-typed)
         self.copied_bytes = 0
         self.t: dict[str, float] = {}
 
@@ -212,7 +212,7 @@ class ReceiverNode:
         self._threads: list[threading.Thread] = []
         self._stopping = threading.Event()
         self.data_port: Optional[int] = None
-        self.probe = None
+        self.probe: ProbeResult | None = None
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -265,14 +265,19 @@ class ReceiverNode:
 
     @property
     def advertised_port(self) -> int:
-        return self._advertised_port or self.data_port
+        port = self._advertised_port or self.data_port
+        if port is None:
+            raise RuntimeError("the receiver has no data port before start()")
+        return port
 
     # -- data plane -----------------------------------------------------------------------
 
     def _accept_loop(self) -> None:
+        listener = self._listener
+        assert listener is not None  # start() binds it before spawning this loop
         while not self._stopping.is_set():
             try:
-                raw, _addr = self._listener.accept()
+                raw, _addr = listener.accept()
             except OSError:
                 return
             self._spawn(self._serve_connection, "kvpack-receiver-conn", raw)
@@ -311,6 +316,7 @@ class ReceiverNode:
 
     def _receive(self, chan, pending: Pending, peer: str, t_conn: int) -> None:
         cfg = self.config
+        assert self.ledger is not None and self.key is not None  # opened by start()
         sink = EngineSink(self.session, self.geometry, self.engine.identity, pending.held_source)
         gate = _TimedLedger(self.ledger, self.metrics)
         expectations = AdmissionExpectations(
@@ -327,7 +333,7 @@ class ReceiverNode:
             now_unix_ms=pending.t0_ms,
             held_token_ids=pending.held_tokens,
         )
-        stamps: dict[str, int] = {"connected_unix_ns": t_conn, "tls_verified_unix_ns": time.time_ns()}
+        stamps: dict[str, int | str] = {"connected_unix_ns": t_conn, "tls_verified_unix_ns": time.time_ns()}
         perf: dict[str, float] = {"begin_wait0": time.perf_counter()}
         admitted = False
         committed: Optional[Committed] = None
@@ -396,6 +402,7 @@ class ReceiverNode:
                 pending.finish(error=err)  # after admission a failure fails the request
             return  # before admission: drop this connection, keep waiting (errata M8)
         # Committed (steps 7-9 done inside the state machine): the ACK, then close (H4).
+        assert committed is not None  # the loop above ends on Committed or raises
         try:
             chan.sendall(committed.ack)
             stamps["ack_unix_ns"] = time.time_ns()
@@ -493,6 +500,7 @@ class ReceiverNode:
             raise
         if pending.error is not None:
             raise pending.error
+        assert pending.outcome is not None  # finish() sets an outcome or an error
         out = dict(pending.outcome)
         if early_response is not None:
             out["_early_response"] = early_response
@@ -513,7 +521,8 @@ class ReceiverNode:
         if cfg.producer_control is None:
             raise SecurityError("config", f"{cfg.path}: no producer_control: this receiver cannot request prefill")
         cut = plan.prefix_cut
-        held_source = self.ladder.materialize(plan.held) if cut else None
+        assert not cut or plan.held is not None  # an armed delta always names its held prefix
+        held_source = self.ladder.materialize(plan.held) if cut and plan.held is not None else None
         rid = self._new_request_id(t0_ms)
         pending = self.expect(rid, tokens, t0_ms=t0_ms, held=plan.held if cut else None, held_source=held_source)
         frames = []
@@ -643,7 +652,9 @@ class ReceiverNode:
 
     def _serve_local(self, plan: Plan, tokens: list[int]) -> None:
         held = plan.held
+        assert held is not None  # SERVE_LOCAL is only planned from a held prefix
         if held.tier == "durable" and held.matched == len(tokens):
+            assert isinstance(held.source, tuple)  # a durable hit's source is (hit, tokens)
             hit, hit_tokens = held.source
             self.store.restore(hit, self.session, list(hit_tokens))  # verified, with its logits
             return
@@ -673,9 +684,11 @@ class ReceiverNode:
         self._spawn(self._local_loop, "kvpack-receiver-api")
 
     def _local_loop(self) -> None:
+        unix = self._unix
+        assert unix is not None  # bound before this loop is spawned
         while not self._stopping.is_set():
             try:
-                conn, _ = self._unix.accept()
+                conn, _ = unix.accept()
             except OSError:
                 return
             self._spawn(self._local_request, "kvpack-receiver-api-conn", conn)

@@ -94,7 +94,7 @@ def read_config_file(path: str | os.PathLike[str]) -> tuple[str, dict[str, Any]]
 class _Fields:
     """Typed access to one JSON object with allow-lists and required fields."""
 
-    def __init__(self, obj: Any, where: str, *, required: set[str], optional: set[str] = frozenset()):
+    def __init__(self, obj: Any, where: str, *, required: set[str], optional: set[str] | frozenset[str] = frozenset()):
         if not isinstance(obj, dict):
             raise SecurityError("config", f"{where} must be an object")
         unknown = set(obj) - required - optional

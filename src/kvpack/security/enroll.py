@@ -142,7 +142,7 @@ def make_csr(key, common_name: str):
 def _san_entries(names: Iterable[str]):
     from cryptography import x509
 
-    out = []
+    out: list[x509.GeneralName] = []
     for name in dict.fromkeys(names):  # ordered de-duplication
         try:
             out.append(x509.IPAddress(ipaddress.ip_address(name)))

@@ -26,7 +26,7 @@ import json
 import os
 import secrets
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -367,7 +367,7 @@ class PackStore:
             return manifest, mid
         return None
 
-    def _span_plaintext(self, session, layer: int, role: str, start: int, stop: int, cut: int) -> memoryview | bytes:
+    def _span_plaintext(self, session, layer: int, role: str, start: int, stop: int, cut: int) -> memoryview | bytes | bytearray:
         """Rows [start, stop) of a state at ``cut``; rows outside a windowed layer's window at
         the cut are zero (see mapping.py)."""
         lo, hi = session.layout.retained_range(layer, cut)
@@ -390,7 +390,11 @@ class PackStore:
             for (fs, i, span), (plaintext, release) in zip(jobs, self._span_exports(session, jobs, cut)):
                 fut = pool.submit(self._write_one_chunk, ctx, fs, i, span, plaintext)
                 if release is not None:  # a pinned export buffer: reusable once the job is done
-                    fut.add_done_callback(lambda _f, release=release: release())
+
+                    def release_when_done(_fut: Future, release: Callable[[], None] = release) -> None:
+                        release()
+
+                    fut.add_done_callback(release_when_done)
                 pending.append(fut)
                 if len(pending) >= 2 * self.workers:
                     self._collect(pending.pop(0), refs, report)
@@ -877,7 +881,7 @@ class PackStore:
                 slot.release()
             raise
 
-    def _read_logits(self, mid: bytes, manifest: Manifest) -> bytes:
+    def _read_logits(self, mid: bytes, manifest: Manifest) -> bytes | memoryview:
         """Verify the final-logits object of the cut ``mid`` and return the f32 row bytes."""
         from ..format.chunk import verify_chunk_standalone
 
@@ -925,7 +929,7 @@ class PackStore:
         return out
 
     def ls(self) -> list[dict]:
-        rows = []
+        rows: list[dict[str, object]] = []
         for _node, mid in self.index_entries():
             try:
                 chain = self.load_chain(mid)
