@@ -87,10 +87,22 @@ class ChunkHeader:
     def parse(cls, obj: bytes | memoryview) -> "ChunkHeader":
         """Field extraction only (no checks); callers check in the normative order."""
         h = bytes(obj[: C.HEADER_BYTES])
-        fixed = _FIXED.unpack_from(h, 8)
+        (version, header_bytes, alignment, flags, codec, codec_version, plaintext_bytes, encoded_bytes, stored_bytes, object_bytes, key_epoch) = (
+            _FIXED.unpack_from(h, 8)
+        )
         side_len = struct.unpack_from("<H", h, C.SIDECAR_OFFSET)[0]
         return cls(
-            *fixed,
+            version=version,
+            header_bytes=header_bytes,
+            alignment=alignment,
+            flags=flags,
+            codec=codec,
+            codec_version=codec_version,
+            plaintext_bytes=plaintext_bytes,
+            encoded_bytes=encoded_bytes,
+            stored_bytes=stored_bytes,
+            object_bytes=object_bytes,
+            key_epoch=key_epoch,
             tenant=h[48:80],
             family_digest=h[80:112],
             content_id=h[112:144],
@@ -180,7 +192,7 @@ def encode_chunk(
     # A raw unencrypted frame is written straight into the object below (one copy of the
     # payload instead of two); every other frame is built first (encoded or sealed).
     in_place = codec == C.CODEC_RAW and not encrypted
-    frame = None if in_place else encode_frame(codec, plaintext)
+    frame = b"" if in_place else encode_frame(codec, plaintext)
     frame_len = C.CODEC_FRAME_HEADER_BYTES + n if in_place else len(frame)
     stored = frame_len + (C.AEAD_TAG_BYTES if encrypted else 0)
     total = aligned_object_bytes(stored)
@@ -282,12 +294,24 @@ def decode_chunk(
     return _after_object_digest(obj, h, ref, span, tenant, family, key, keys, family_digest, defer_content=False)
 
 
-def _check_ref_sizes(h: ChunkHeader, obj, ref: ChunkRef, span: Span) -> None:
+def _check_ref_sizes(h: ChunkHeader, obj: bytes | memoryview, ref: ChunkRef, span: Span) -> None:
     if len(obj) != ref.object_bytes or h.plaintext_bytes != ref.plaintext_bytes or h.plaintext_bytes != span.plaintext_bytes:
         raise fail("bounds", "chunk: size differs from its ref/span")
 
 
-def _after_object_digest(obj, h: ChunkHeader, ref, span, tenant, family, key, keys, family_digest, *, defer_content: bool):
+def _after_object_digest(
+    obj: bytes | memoryview,
+    h: ChunkHeader,
+    ref: ChunkRef,
+    span: Span,
+    tenant: bytes,
+    family: Family,
+    key: StateKey,
+    keys: Keys,
+    family_digest: bytes | None,
+    *,
+    defer_content: bool,
+) -> bytes | memoryview:
     if header_digest(bytes(obj[: C.HEADER_BYTES])) != h.header_digest:
         raise fail("authentication", "chunk: header digest mismatch")
     fam_digest = family_digest if family_digest is not None else family.digest()
@@ -358,15 +382,19 @@ def decode_chunk_deferred(
     _check_ref_sizes(h, obj, ref, span)
     if h.encrypted or h.codec != C.CODEC_RAW:
         raise ValueError("only raw unencrypted chunks can be verified with external digests")
+    plaintext: memoryview | None = None
+    held: FormatError | None = None
     try:
-        plaintext = _after_object_digest(obj, h, ref, span, tenant, family, key, keys, family_digest, defer_content=True)
-        held = None
+        checked = _after_object_digest(obj, h, ref, span, tenant, family, key, keys, family_digest, defer_content=True)
+        plaintext = checked if isinstance(checked, memoryview) else memoryview(checked)  # raw frames decode to a view
     except FormatError as exc:
-        plaintext, held = None, exc
+        held = exc
     return DeferredChunk(ref.object_digest, h.content_id, plaintext, held)
 
 
-def _open_and_check_content(obj, h: ChunkHeader, ks: KeySchedule, fam_digest: bytes, ref: ChunkRef, key: StateKey | None, span: Span | None) -> bytes:
+def _open_and_check_content(
+    obj: bytes | memoryview, h: ChunkHeader, ks: KeySchedule, fam_digest: bytes, ref: ChunkRef, key: StateKey | None, span: Span | None
+) -> bytes | memoryview:
     expect_key = chunk_object_key(
         ks.object_identity, h.tenant, fam_digest, h.content_id, ref.key_epoch, h.codec, h.codec_version, h.encrypted, h.salt, h.nonce, h.sidecar or None
     )
@@ -388,7 +416,7 @@ def _open_and_check_content(obj, h: ChunkHeader, ks: KeySchedule, fam_digest: by
     return plaintext
 
 
-def verify_chunk_standalone(obj: bytes | memoryview, keys: Keys) -> tuple[ChunkHeader, bytes]:
+def verify_chunk_standalone(obj: bytes | memoryview, keys: Keys) -> tuple[ChunkHeader, bytes | memoryview]:
     """Verify what a chunk can prove without its manifest: structure, header digest, object
     key, AEAD tag and frame. The ref binding (object digest) and the content id need the
     manifest's ref and span; use :func:`decode_chunk` for those."""

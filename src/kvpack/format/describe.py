@@ -135,19 +135,19 @@ def describe(data: bytes, *, root: bytes | None = None) -> dict[str, Any]:
             out["verified"] = False
             out["manifest"] = _manifest(Manifest.decode(body, validate=False))
     elif kind == "chunk":
-        h = _structural(data)
+        ch = _structural(data)
         out.update(
-            codec={1: "raw", 2: "lossless"}[h.codec],
-            encrypted=h.encrypted,
-            plaintext_bytes=h.plaintext_bytes,
-            encoded_bytes=h.encoded_bytes,
-            stored_bytes=h.stored_bytes,
-            key_epoch=h.key_epoch,
-            tenant=h.tenant.hex(),
-            family_digest=h.family_digest.hex(),
-            content_id=h.content_id.hex(),
-            object_key=h.object_key.hex(),
-            has_stats_sidecar=bool(h.sidecar),
+            codec={1: "raw", 2: "lossless"}[ch.codec],
+            encrypted=ch.encrypted,
+            plaintext_bytes=ch.plaintext_bytes,
+            encoded_bytes=ch.encoded_bytes,
+            stored_bytes=ch.stored_bytes,
+            key_epoch=ch.key_epoch,
+            tenant=ch.tenant.hex(),
+            family_digest=ch.family_digest.hex(),
+            content_id=ch.content_id.hex(),
+            object_key=ch.object_key.hex(),
+            has_stats_sidecar=bool(ch.sidecar),
         )
     elif kind == "manifest":
         out["manifest"] = _manifest(Manifest.decode(data))

@@ -7,7 +7,7 @@ objects with the real codecs and compare them with ``conformance/production_v1.s
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from . import constants as C
 from .chunk import encode_chunk
@@ -95,7 +95,7 @@ def _schema(cut: int, start: int, depth: int = 0, parent: DeltaParent | None = N
     )
 
 
-def _cut_id(keys: KeySchedule, family: Family, tokens) -> tuple[InputCutId, PrefixChain]:
+def _cut_id(keys: KeySchedule, family: Family, tokens: Sequence[int]) -> tuple[InputCutId, PrefixChain]:
     aux = auxiliary_root(keys.prefix, TENANT, AUX_INPUTS)
     chain = PrefixChain(keys.prefix, prefix_context(keys.prefix, TENANT, SEMANTIC.digest(), family.digest(), aux))
     chain.extend(tokens)

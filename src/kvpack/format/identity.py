@@ -19,7 +19,7 @@ from . import constants as C
 from .wire import Reader, fail, u16, u32, u64
 
 
-def _hmac(key: bytes, *parts: bytes) -> bytes:
+def _hmac(key: bytes, *parts: bytes | memoryview) -> bytes:
     h = hmac.new(key, digestmod=hashlib.sha256)
     for part in parts:
         h.update(part)

@@ -9,6 +9,7 @@ and re-encode to compare. Semantic rules live in :mod:`kvpack.format.validate`.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Container, Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -107,7 +108,7 @@ class FamilyState:
     def read(cls, r: Reader) -> "FamilyState":
         key = StateKey.read(r)
 
-        def enum(name: str, allowed) -> int:
+        def enum(name: str, allowed: Container[int]) -> int:
             v = r.u16()
             if v not in allowed:
                 raise fail("unknown_enum", f"{r.what}: {name} {v}")
@@ -471,7 +472,7 @@ class Manifest:
     def manifest_id(self, encoded: bytes | None = None) -> bytes:
         return hashlib.sha256(C.D_MANIFEST + (encoded if encoded is not None else self.encode())).digest()
 
-    def chunk_refs(self):
+    def chunk_refs(self) -> Iterator[tuple[StateKey, Span, ChunkRef]]:
         """Yield (payload state key, span, chunk ref) in manifest order."""
         for rs, ps in zip(self.schema.states, self.payload):
             for span, ref in zip(rs.spans, ps.chunks):

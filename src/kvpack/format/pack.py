@@ -54,9 +54,16 @@ class PackHeader:
     @classmethod
     def parse(cls, data: bytes | memoryview) -> "PackHeader":
         h = bytes(data[: C.HEADER_BYTES])
-        fixed = _HDR_FIXED.unpack_from(h, 8)
+        (version, header_bytes, alignment, flags, reserved, stored_bytes, plaintext_bytes, key_epoch) = _HDR_FIXED.unpack_from(h, 8)
         return cls(
-            *fixed,
+            version=version,
+            header_bytes=header_bytes,
+            alignment=alignment,
+            flags=flags,
+            reserved=reserved,
+            stored_bytes=stored_bytes,
+            plaintext_bytes=plaintext_bytes,
+            key_epoch=key_epoch,
             catalog_epoch=struct.unpack_from("<Q", h, 48)[0],
             tenant=h[56:88],
             manifest_id=h[88:120],
@@ -81,8 +88,18 @@ class PackFooter:
     @classmethod
     def parse(cls, data: bytes | memoryview) -> "PackFooter":
         f = bytes(data[-C.HEADER_BYTES :])
-        fixed = _FTR_FIXED.unpack_from(f, 8)
-        return cls(*fixed, manifest_id=f[48:80], mac=f[80:112])
+        (version, footer_bytes, reserved, stored_bytes, key_epoch, reserved64, file_bytes) = _FTR_FIXED.unpack_from(f, 8)
+        return cls(
+            version=version,
+            footer_bytes=footer_bytes,
+            reserved=reserved,
+            stored_bytes=stored_bytes,
+            key_epoch=key_epoch,
+            reserved64=reserved64,
+            file_bytes=file_bytes,
+            manifest_id=f[48:80],
+            mac=f[80:112],
+        )
 
 
 def _header_digest(header: bytes | bytearray) -> bytes:

@@ -7,7 +7,7 @@ that passes describes exactly one contiguous, fully covered byte stream per stat
 from __future__ import annotations
 
 from . import constants as C
-from .objects import Family, Manifest
+from .objects import Family, Manifest, StateKey
 from .wire import U64_MAX, checked_add, checked_mul, fail
 
 
@@ -58,7 +58,7 @@ def validate_family(family: Family) -> None:
 def _check_acyclic(family: Family) -> None:
     graph = {s.key: s.dependencies for s in family.states}
     # iterative three-colour DFS: white (absent), grey (1), black (2)
-    colour: dict = {}
+    colour: dict[StateKey, int] = {}
     for start in graph:
         if colour.get(start):
             continue
@@ -188,7 +188,7 @@ def validate_manifest(manifest: Manifest, *, max_restored_bytes: int = C.DEFAULT
 
 def _validate_groups(m: Manifest) -> None:
     keys = {s.key for s in m.family.states}
-    seen: set = set()
+    seen: set[StateKey] = set()
     previous_id = 0
     for group in m.schema.groups:
         if group.group_id == 0 or group.group_id <= previous_id:

@@ -65,13 +65,13 @@ class Reader:
         return self.take(1)[0]
 
     def u16(self) -> int:
-        return _U16.unpack(self.take(2))[0]
+        return int.from_bytes(self.take(2), "little")
 
     def u32(self) -> int:
-        return _U32.unpack(self.take(4))[0]
+        return int.from_bytes(self.take(4), "little")
 
     def u64(self) -> int:
-        return _U64.unpack(self.take(8))[0]
+        return int.from_bytes(self.take(8), "little")
 
     def id32(self) -> bytes:
         return self.take(32)

@@ -186,7 +186,7 @@ def string(value: Any, where: str) -> str:
     return value
 
 
-def array(value: Any, where: str) -> list:
+def array(value: Any, where: str) -> list[Any]:
     if type(value) is not list:
         raise ProtocolError("json", f"{where}: expected an array")
     return value

@@ -35,7 +35,7 @@ _REQUEST_ID = re.compile(r"[A-Za-z0-9_.\-]{1,100}\Z")  # errata M6: ASCII, 1..=1
 _HOST = re.compile(r"[A-Za-z0-9.:\-_]{1,253}\Z")
 
 
-def encode_control(message: dict) -> bytes:
+def encode_control(message: dict[str, Any]) -> bytes:
     body = cj.canonical_bytes(message)
     if not 0 < len(body) <= MAX_CONTROL_BYTES:
         raise ProtocolError("framing", f"control message of {len(body)} bytes outside 1..=64 MiB", remote=False)
@@ -119,7 +119,7 @@ class ControlRequestV1:
             receiver_port=cj.uint(obj["receiver_port"], "request.receiver_port", 65535),
         )
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {
             "schema_version": 1,
             "request_id": self.request_id,
@@ -194,7 +194,7 @@ class ControlReceipt:
         r.validate()
         return r
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in RECEIPT_FIELDS}
 
     def validate(self) -> None:
@@ -243,8 +243,8 @@ class ControlResponse:
         if (self.receipt is not None) != (self.status == "committed"):
             raise ProtocolError("manifest", "receipt is present exactly when status is committed")
 
-    def to_json(self) -> dict:
-        out: dict = {"schema_version": 1, "request_id": self.request_id, "status": self.status}
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"schema_version": 1, "request_id": self.request_id, "status": self.status}
         if self.error is not None:
             out["error"] = self.error
         if self.receipt is not None:

@@ -26,7 +26,8 @@ from typing import Any, Optional, Sequence
 
 from ..errors import ProtocolError
 from . import canonical_json as cj
-from .schedule import PREFIX_CUT_ALIGN, SpanLayout, SpanSegment, check_cut, schedule_span
+from .manifest import BeginManifestV2, SegmentDescriptorV2
+from .schedule import PREFIX_CUT_ALIGN, SegmentKey, SpanLayout, SpanSegment, check_cut, schedule_span
 
 
 def lift_prefix_cut(raw_manifest: Any) -> int:
@@ -43,7 +44,7 @@ def lift_prefix_cut(raw_manifest: Any) -> int:
 
 
 def validate_prefix_cut(
-    manifest,
+    manifest: BeginManifestV2,
     cut: int,
     held_token_ids: Optional[Sequence[int]],
     layout: Optional[SpanLayout],
@@ -69,7 +70,7 @@ def validate_prefix_cut(
             check_declared_schedule(manifest, layout, cut)
 
 
-def check_declared_schedule(manifest, layout: SpanLayout, cut: int) -> None:
+def check_declared_schedule(manifest: BeginManifestV2, layout: SpanLayout, cut: int) -> None:
     """Declared mode: the target segments, in order, equal the schedule (7 fields; byte_len
     and sha are not compared because the schedule has none)."""
     expected = schedule_span(layout, manifest.position, cut)
@@ -81,7 +82,7 @@ def check_declared_schedule(manifest, layout: SpanLayout, cut: int) -> None:
             raise ProtocolError("delta", f"declared segment {d.sequence} differs from the span schedule")
 
 
-def descriptor_key(d) -> tuple:
+def descriptor_key(d: SegmentDescriptorV2) -> SegmentKey:
     return (d.role, d.layer, d.logical_start, d.logical_count, d.element_type, d.elements_per_token)
 
 
@@ -96,9 +97,9 @@ class ScheduleWitness:
     def __init__(self, expected: Sequence[SpanSegment], component_id: str) -> None:
         self.expected = tuple(expected)
         self.component_id = component_id
-        self.observed: list[tuple] = []
+        self.observed: list[SegmentKey] = []
 
-    def observe(self, d) -> None:
+    def observe(self, d: SegmentDescriptorV2) -> None:
         if d.component_id != self.component_id:
             return
         k = len(self.observed)

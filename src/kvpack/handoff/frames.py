@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass, replace
-from typing import Optional
+from typing import Any, Optional
 
 from ..errors import ProtocolError
 from . import canonical_json as cj
@@ -47,10 +47,15 @@ class FrameLimits:
     max_payload: int = MAX_PAYLOAD_BYTES
 
 
+#: What an encoder hands the socket: the preamble+header bytes, then a segment's payload
+#: (the caller's own buffer, never copied).
+WireBuffers = list[bytes | memoryview]
+
+
 # --- encoding --------------------------------------------------------------------------
 
 
-def _header_json(frame: Frame) -> dict:
+def _header_json(frame: Frame) -> dict[str, Any]:
     if isinstance(frame, Begin):
         manifest = frame.manifest.to_json()
         # The Python producer emits prefix_cut only when nonzero (C.11); absent means 0.
@@ -58,7 +63,7 @@ def _header_json(frame: Frame) -> dict:
             manifest["prefix_cut"] = frame.prefix_cut
         return {"kind": "begin", "manifest": manifest}
     if isinstance(frame, Segment):
-        header: dict = {"kind": "segment", "sequence": frame.sequence}
+        header: dict[str, Any] = {"kind": "segment", "sequence": frame.sequence}
         if frame.descriptor is not None:
             header["descriptor"] = frame.descriptor.to_json()
         return header
@@ -71,7 +76,7 @@ def _header_json(frame: Frame) -> dict:
     raise TypeError(f"not a Handoff V2 frame: {frame!r}")
 
 
-def encode_frame(frame: Frame, limits: FrameLimits = FrameLimits()) -> list:
+def encode_frame(frame: Frame, limits: FrameLimits = FrameLimits()) -> WireBuffers:
     """Encode ``frame`` as a list of buffers: ``[preamble+header]`` or, for a segment,
     ``[preamble+header, payload]`` where ``payload`` is the caller's own buffer (no copy).
 
@@ -278,11 +283,14 @@ class FrameDecoder:
             frame = parse_header(header, _EMPTY)
             if self._payload_len == 0:
                 return self._finish(frame)
+            assert isinstance(frame, Segment)  # only a segment header survives a nonzero payload length
             self._pending = frame
             self._set_buffer(self._payload_buffer(self._payload_len), "payload")
             return None
         # payload complete: attach it by reference to the already-parsed header.
-        return self._finish(replace(self._pending, payload=self._view))
+        pending = self._pending
+        assert pending is not None  # the payload phase is entered only with a pending segment
+        return self._finish(replace(pending, payload=self._view))
 
     def _finish(self, frame: Frame) -> Frame:
         self._pending = None

@@ -27,10 +27,13 @@ import os
 import hmac as _hmac
 import re
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 from ..errors import ProtocolError
 from . import canonical_json as cj
+
+if TYPE_CHECKING:
+    from concurrent.futures import ThreadPoolExecutor
 
 PROTOCOL = "kvpack-live-handoff-v2"
 
@@ -105,7 +108,7 @@ class ExactIdentityV1:
         cj.check_keys(obj, "identity", cls.KEYS)
         return cls(**{k: cj.string(obj[k], f"identity.{k}") for k in cls.KEYS})
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.KEYS}
 
     def check_digests(self) -> None:
@@ -128,7 +131,7 @@ class MultimodalIdentityV1:
         cj.check_keys(obj, "multimodal", cls.KEYS)
         return cls(**{k: cj.string(obj[k], f"multimodal.{k}") for k in cls.KEYS})
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.KEYS}
 
     def check_digests(self) -> None:
@@ -148,7 +151,7 @@ class HmacRef:
         cj.check_keys(obj, "hmac", ("key_id", "epoch"))
         return cls(cj.string(obj["key_id"], "hmac.key_id"), cj.u64(obj["epoch"], "hmac.epoch"))
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {"key_id": self.key_id, "epoch": self.epoch}
 
 
@@ -176,7 +179,7 @@ class ComponentV2:
             cj.string(obj["identity_sha256"], f"{where}.identity_sha256"),
         )
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {"id": self.id, "kind": self.kind, "required": self.required, "identity_sha256": self.identity_sha256}
 
 
@@ -235,7 +238,7 @@ class SegmentDescriptorV2:
             sha256=cj.string(obj["sha256"], f"{where}.sha256"),
         )
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         # Always all ten keys, layer null when absent (errata M2).
         return {k: getattr(self, k) for k in self.KEYS}
 
@@ -270,8 +273,8 @@ class OverlapTracker:
     """
 
     def __init__(self) -> None:
-        self._starts: dict[tuple, list[int]] = {}
-        self._ends: dict[tuple, list[int]] = {}
+        self._starts: dict[tuple[str, str, Optional[int]], list[int]] = {}
+        self._ends: dict[tuple[str, str, Optional[int]], list[int]] = {}
 
     def add(self, d: SegmentDescriptorV2) -> None:
         key = d.plane_key
@@ -340,7 +343,7 @@ class BeginManifestV2:
             deferred_segments=cj.boolean(obj.get("deferred_segments", False), "manifest.deferred_segments"),
         )
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         out = {
             "protocol": self.protocol,
             "transfer_id": self.transfer_id,
@@ -468,7 +471,7 @@ class SealCoreV2:
             total_bytes=cj.u64(obj["total_bytes"], "core.total_bytes"),
         )
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.KEYS}
 
     def canonical_bytes(self) -> bytes:
@@ -485,7 +488,7 @@ class SealManifestV2:
         cj.check_keys(obj, "seal", ("core", "hmac_sha256"))
         return cls(SealCoreV2.from_json(obj["core"]), cj.string(obj["hmac_sha256"], "seal.hmac_sha256"))
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {"core": self.core.to_json(), "hmac_sha256": self.hmac_sha256}
 
 
@@ -504,7 +507,7 @@ def verify_seal_tag(key: bytes, seal: SealManifestV2) -> None:
 
 
 _PARALLEL_HASH_MIN = 1 << 20
-_POOL: Any = None
+_POOL: ThreadPoolExecutor | None = None
 
 
 def _sha256_hex(view: memoryview) -> str:
@@ -521,7 +524,7 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_pool_in_child)
 
 
-def _hash_pool():
+def _hash_pool() -> ThreadPoolExecutor:
     """The shared helper threads for segment digests (created on first large segment)."""
     global _POOL
     if _POOL is None:

@@ -44,17 +44,19 @@ from __future__ import annotations
 
 import hmac as _hmac
 from dataclasses import dataclass
-from typing import Optional, Protocol, Sequence, Union
+from collections.abc import Callable
+from typing import NoReturn, Optional, Protocol, Sequence, Union
 
 from ..errors import KvpackError, ProtocolError
 from .admission import AdmissionExpectations, check_admission, check_transfer_id
 from .delta import ScheduleWitness, check_declared_schedule, validate_prefix_cut
-from .events import Abort, Ack, Begin, Seal, Segment
+from .events import Abort, Ack, Begin, Frame, Seal, Segment
 from .frames import FrameDecoder, FrameLimits, frame_bytes
 from .manifest import (
     BeginManifestV2,
     OverlapTracker,
     SealAccumulator,
+    SealCoreV2,
     SegmentDescriptorV2,
     check_descriptor,
     check_seal,
@@ -202,7 +204,7 @@ class Receiver:
     def bytes_received(self) -> int:
         return self._acc.total_bytes
 
-    def seal_core(self):
+    def seal_core(self) -> Optional[SealCoreV2]:
         """The seal core of what was received so far (digests for receipts); None before begin."""
         return None if self.manifest is None else self._acc.core(self.manifest)
 
@@ -237,7 +239,7 @@ class Receiver:
             return []
         return self._receive(frame, self._stream)
 
-    def receive_data(self, data) -> list[Effect]:
+    def receive_data(self, data: bytes | bytearray | memoryview) -> list[Effect]:
         """Feed bytes in any split. Bytes after the commit are ignored (errata H4)."""
         src = memoryview(data).cast("B")
         effects: list[Effect] = []
@@ -265,14 +267,14 @@ class Receiver:
         """Local abort (timeout, shutdown): discard the detached generation."""
         if self.state in (ReceiverState.DONE, ReceiverState.CLOSED):
             return
-        self._fail(ProtocolError("aborted", reason, remote=False), raise_it=False)
+        self._close(ProtocolError("aborted", reason, remote=False))
 
-    def receive_frame(self, frame) -> list[Effect]:
+    def receive_frame(self, frame: Frame) -> list[Effect]:
         """Feed one decoded frame (its payload is hashed here, on the calling thread)."""
         self._drop_stream()  # a payload the decoder was streaming is no longer the next frame
         return self._receive(frame, None)
 
-    def _receive(self, frame, stream: Optional[PayloadStream]) -> list[Effect]:
+    def _receive(self, frame: Frame, stream: Optional[PayloadStream]) -> list[Effect]:
         if self.state is ReceiverState.DONE:
             return []
         self._check_open()
@@ -342,7 +344,12 @@ class Receiver:
         if self.state is ReceiverState.CLOSED:
             raise ProtocolError("state", "receiver is closed", remote=False)
 
-    def _fail(self, exc: ProtocolError, raise_it: bool = True):
+    def _fail(self, exc: ProtocolError) -> NoReturn:
+        self._close(exc)
+        raise exc
+
+    def _close(self, exc: ProtocolError) -> None:
+        """Record the refusal, close the machine and abort the sink if it is open."""
         self.error = exc
         self.state = ReceiverState.CLOSED
         self._drop_stream()
@@ -352,10 +359,8 @@ class Receiver:
                 self.sink.abort()
             except Exception:  # the refusal that got us here is the one to report
                 pass
-        if raise_it:
-            raise exc
 
-    def _call(self, category: str, fn, *args) -> None:
+    def _call(self, category: str, fn: Callable[..., object], *args: object) -> None:
         """Run an injected callback; any exception it raises becomes ``category``."""
         try:
             fn(*args)
@@ -392,6 +397,7 @@ class Receiver:
 
     def _on_segment(self, frame: Segment, stream: Optional[PayloadStream] = None) -> list[Effect]:
         m = self.manifest
+        assert m is not None  # the transition table admits a segment only after a begin
         seq = self._next
         if frame.sequence != seq:
             raise ProtocolError("sequence", f"segment {frame.sequence} where {seq} was expected")
@@ -425,6 +431,7 @@ class Receiver:
 
     def _on_seal(self, frame: Seal) -> list[Effect]:
         m = self.manifest
+        assert m is not None  # the transition table admits a seal only after a begin
         if not m.deferred_segments and self._next != len(m.segments):
             raise ProtocolError("sequence", f"seal after {self._next} of {len(m.segments)} declared segments")
         if m.deferred_segments:

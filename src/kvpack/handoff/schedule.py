@@ -23,7 +23,8 @@ sides compute it and the receiver compares (see :mod:`delta`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from collections.abc import Iterable
+from typing import Any, Optional
 
 from ..errors import ProtocolError
 from .manifest import ELEMENT_SIZES
@@ -65,6 +66,11 @@ class SpanLayout:
         return self.plane_elements * self.planes_per_layer * len(group)
 
 
+SegmentKey = tuple[str, Optional[int], int, int, str, int]
+"""(role, layer, logical_start, logical_count, element_type, elements_per_token): what a
+receiver compares between a descriptor and the schedule (errata M3)."""
+
+
 @dataclass(frozen=True)
 class SpanSegment:
     """One scheduled segment: a descriptor without its digest and byte length."""
@@ -83,11 +89,11 @@ class SpanSegment:
     def byte_len(self) -> int:
         return self.logical_count * self.elements_per_token * ELEMENT_SIZES[self.element_type]
 
-    def key(self) -> tuple:
+    def key(self) -> SegmentKey:
         """The fields a receiver compares against the schedule (errata M3)."""
         return (self.role, self.layer, self.logical_start, self.logical_count, self.element_type, self.elements_per_token)
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {
             "sequence": self.sequence,
             "component_id": self.component_id,
@@ -171,7 +177,7 @@ def class_bytes(segments: tuple[SpanSegment, ...] | list[SpanSegment]) -> dict[s
     return out
 
 
-def payload_bytes(segments) -> int:
+def payload_bytes(segments: Iterable[SpanSegment]) -> int:
     return sum(seg.byte_len for seg in segments)
 
 

@@ -24,11 +24,13 @@ been written out; its digest was taken when ``send_segment`` was called.
 from __future__ import annotations
 
 import hashlib
-from typing import Optional, Sequence
+from collections.abc import Callable
+from typing import Any, NoReturn, Optional, Sequence, TypeVar
 
 from ..errors import ProtocolError
 from .events import Abort, Ack, Begin, Seal, Segment
-from .frames import FrameDecoder, FrameLimits, encode_frame
+from .events import Frame
+from .frames import FrameDecoder, FrameLimits, WireBuffers, encode_frame
 from .manifest import (
     BeginManifestV2,
     OverlapTracker,
@@ -45,8 +47,12 @@ from .state import SenderState, SENDER_TRANSITIONS, transition
 PRODUCER_FAILURE = "producer failure"
 _DEFAULT_LIMITS = FrameLimits()  # frozen: safe to share
 
+#: A segment payload as callers hand it in (any contiguous buffer; viewed as bytes, never copied).
+Payload = bytes | bytearray | memoryview
+_T = TypeVar("_T")
 
-def descriptor_for(intent: SpanSegment | SegmentDescriptorV2, sequence: int, payload, sha256: str | None = None) -> SegmentDescriptorV2:
+
+def descriptor_for(intent: SpanSegment | SegmentDescriptorV2, sequence: int, payload: Payload, sha256: str | None = None) -> SegmentDescriptorV2:
     """A full descriptor for ``payload`` shaped as ``intent`` (upstream ``descriptor_for``).
     ``sha256`` may carry the payload digest when the caller already computed it."""
     view = memoryview(payload).cast("B")
@@ -64,7 +70,7 @@ def descriptor_for(intent: SpanSegment | SegmentDescriptorV2, sequence: int, pay
     )
 
 
-def declare_segments(intents: Sequence[SpanSegment], payloads: Sequence) -> tuple[SegmentDescriptorV2, ...]:
+def declare_segments(intents: Sequence[SpanSegment], payloads: Sequence[Payload]) -> tuple[SegmentDescriptorV2, ...]:
     """Declared-mode descriptors: one hash per payload, sequences 0..n-1 in order."""
     if len(intents) != len(payloads):
         raise ValueError("one payload per intent")
@@ -123,21 +129,22 @@ class Sender:
 
     # -- verbs --------------------------------------------------------------------------
 
-    def begin(self) -> list:
+    def begin(self) -> WireBuffers:
         return self._guard("begin", self._begin)
 
-    def send_segment(self, payload, intent: SpanSegment | SegmentDescriptorV2 | None = None) -> list:
+    def send_segment(self, payload: Payload, intent: SpanSegment | SegmentDescriptorV2 | None = None) -> WireBuffers:
         return self._guard("segment", self._segment, payload, intent)
 
-    def seal(self) -> list:
+    def seal(self) -> WireBuffers:
         return self._guard("seal", self._seal)
 
-    def receive_data(self, data) -> Optional[Ack]:
+    def receive_data(self, data: bytes | bytearray | memoryview) -> Optional[Ack]:
         """Bytes from the receiver. Returns the Ack when the one matching ack completed."""
-        if self.state is not SenderState.AWAIT_ACK:
+        decoder = self._decoder  # made by the seal, the step that enters AWAIT_ACK
+        if self.state is not SenderState.AWAIT_ACK or decoder is None:
             self._fail(ProtocolError("state", f"data from the receiver in state {self.state.value}"))
         try:
-            frames = self._decoder.feed(data)  # type: ignore[union-attr]
+            frames = decoder.feed(data)
         except ProtocolError as exc:
             self._fail(exc)
         if not frames:
@@ -146,11 +153,11 @@ class Sender:
             self._fail(ProtocolError("state", "more than one frame after the seal"))
         return self.receive_frame(frames[0])
 
-    def receive_frame(self, frame) -> Ack:
+    def receive_frame(self, frame: Frame) -> Ack:
         kind = type(frame).__name__.lower()
         return self._guard(kind, self._ack, frame, remote=True)
 
-    def abort(self, reason: str = PRODUCER_FAILURE) -> list:
+    def abort(self, reason: str = PRODUCER_FAILURE) -> WireBuffers:
         """Give up. Emits an abort frame if the receiver has seen a begin and not acked."""
         if self.state in (SenderState.DONE, SenderState.CLOSED):
             return []
@@ -160,8 +167,7 @@ class Sender:
 
     # -- handlers -----------------------------------------------------------------------
 
-    def _guard(self, event: str, handler, *args, remote: bool = False):
-        new_state = None
+    def _guard(self, event: str, handler: Callable[..., _T], *args: Any, remote: bool = False) -> _T:
         try:
             new_state = transition(SENDER_TRANSITIONS, self.state, event, remote=remote)
             out = handler(*args)
@@ -172,15 +178,15 @@ class Sender:
         self.state = new_state
         return out
 
-    def _fail(self, exc: ProtocolError):
+    def _fail(self, exc: ProtocolError) -> NoReturn:
         self.error = exc
         self.state = SenderState.CLOSED
         raise exc
 
-    def _begin(self) -> list:
+    def _begin(self) -> WireBuffers:
         return encode_frame(Begin(self.manifest, self.prefix_cut), self.limits)
 
-    def _segment(self, payload, intent) -> list:
+    def _segment(self, payload: Payload, intent: SpanSegment | SegmentDescriptorV2 | None) -> WireBuffers:
         view = memoryview(payload).cast("B")
         seq = self._next
         if self.deferred:
@@ -206,7 +212,7 @@ class Sender:
         self._next += 1
         return out
 
-    def _seal(self) -> list:
+    def _seal(self) -> WireBuffers:
         m = self.manifest
         if not self.deferred and self._next != len(m.segments):
             raise ProtocolError("sequence", f"{self._next} of {len(m.segments)} declared segments sent", remote=False)
@@ -221,7 +227,7 @@ class Sender:
         self._decoder = FrameDecoder(self.limits)
         return encode_frame(Seal(self.seal_manifest), self.limits)
 
-    def _ack(self, frame) -> Ack:
+    def _ack(self, frame: Frame) -> Ack:
         if not isinstance(frame, Ack):
             raise ProtocolError("state", f"expected ack, got {type(frame).__name__.lower()}")
         if frame.transfer_id != self.manifest.transfer_id or frame.generation != self.manifest.generation:

@@ -10,8 +10,13 @@ hypothesis tests drive with random (state, input) sequences.
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
+from typing import TypeVar
 
 from ..errors import ProtocolError
+
+#: A protocol state enum (sender or receiver): transition tables map into the same type.
+S = TypeVar("S", bound=enum.Enum)
 
 
 class SenderState(enum.Enum):
@@ -54,7 +59,7 @@ RECEIVER_INPUTS = ("begin", "segment", "seal", "ack", "abort", "eof")
 SENDER_INPUTS = ("begin", "segment", "seal", "ack", "abort")
 
 
-def transition(table: dict, state, event: str, *, remote: bool):
+def transition(table: Mapping[tuple[S, str], S], state: S, event: str, *, remote: bool) -> S:
     """Next state for ``event`` in ``state``, or a ``state`` refusal."""
     try:
         return table[(state, event)]

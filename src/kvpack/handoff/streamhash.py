@@ -28,9 +28,13 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
-from typing import Any, Optional
+from concurrent.futures import Executor
+from typing import TYPE_CHECKING, Optional
 
-_POOL: Any = None
+if TYPE_CHECKING:
+    from hashlib import _Hash
+
+_POOL: Optional[Executor] = None
 _POOL_LOCK = threading.Lock()
 
 
@@ -44,7 +48,7 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def hash_pool():
+def hash_pool() -> Executor:
     """The shared pool the lanes run on (threads are started on demand, up to the cap).
 
     Each concurrently streaming receiver keeps at most two threads busy (one per lane), so
@@ -72,7 +76,7 @@ class _Lane:
 
     __slots__ = ("_hash", "_view", "_pool", "_lock", "_done", "_target", "_busy", "_idle", "_error", "_cancelled")
 
-    def __init__(self, h, view: memoryview, pool) -> None:
+    def __init__(self, h: _Hash, view: memoryview, pool: Executor) -> None:
         self._hash = h
         self._view = view
         self._pool = pool
@@ -144,7 +148,7 @@ class PayloadStream:
 
     __slots__ = ("view", "chunk", "segment_hash", "running_hash", "fed", "filled", "_lanes", "_done")
 
-    def __init__(self, view: memoryview, running, chunk: int, pool=None) -> None:
+    def __init__(self, view: memoryview, running: _Hash, chunk: int, pool: Optional[Executor] = None) -> None:
         if chunk < 1:
             raise ValueError("chunk must be positive")
         pool = hash_pool() if pool is None else pool
