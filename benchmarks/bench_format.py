@@ -68,7 +68,9 @@ def main() -> None:
     for encrypted in (False, True):
         mode = "encrypted" if encrypted else "plain"
 
-        def write_one(i: int):
+        # each closure binds this round's mode and chunk list (default arguments): pool.map
+        # runs them while this iteration is current, but the binding makes that explicit
+        def write_one(i: int, encrypted: bool = encrypted):
             span = spans[i]
             piece = buf[span.plaintext_offset : span.plaintext_offset + span.plaintext_bytes]
             salt = i.to_bytes(16, "little") if encrypted else bytes(16)
@@ -79,12 +81,12 @@ def main() -> None:
 
         chunks: list = []
 
-        def write_all():
+        def write_all(chunks: list = chunks):
             chunks[:] = list(pool.map(write_one, range(len(spans))))
 
         t_write = _median_time(write_all, args.repeat)
 
-        def read_one(i: int):
+        def read_one(i: int, chunks: list = chunks):
             c = chunks[i]
             out = decode_chunk(c.obj, ref=c.ref, span=spans[i], tenant=keys.tenant, family=family, key=state.key, keys=keys, family_digest=fam_digest)
             assert len(out) == spans[i].plaintext_bytes

@@ -97,7 +97,10 @@ def test_descriptor_digest_is_plain_concatenation():
         d = declare_segments([i], [p])[0]
         d = type(d)(**{**d.to_json(), "sequence": n})
         blob += canonical_bytes(d.to_json())
+        acc.add_descriptor(d)
     assert hashlib.sha256(blob).hexdigest() == s.seal_manifest.core.descriptor_sha256
+    # the accumulator both sides keep computes exactly that plain concatenation
+    assert acc.descriptor_hash.hexdigest() == s.seal_manifest.core.descriptor_sha256
     # layer null is always present (errata M2): the NoPE tile has layer null.
     assert b'"layer":null' in blob
 
