@@ -184,6 +184,7 @@ def encode_chunk(
         raise fail("reserved", "chunk: salt/nonce given for an unencrypted chunk")
     if sidecar:
         StatsSidecar.decode(sidecar)
+    _content_id_precondition(span)
     if content_id is None:
         content_id = chunk_content_id(
             keys.chunk_identity, keys.tenant, family_digest, key.layer, key.name, span.token_start, span.token_count, span.plaintext_offset, plaintext
@@ -224,6 +225,14 @@ def encode_chunk(
     out = bytes(obj)
     ref = ChunkRef(content_id, object_key, hashlib.sha256(out).digest(), epoch, n, total)
     return EncodedChunk(out, ref, content_id, object_key)
+
+
+def _content_id_precondition(span: Span) -> None:
+    """A content id names at least one token (errata E2-3, S2-12 step 11): a zero-token span
+    is a ``semantics`` refusal, never an ``authentication`` mismatch. A validated manifest
+    never holds one; callers passing a span directly can."""
+    if span.token_count == 0:
+        raise fail("semantics", "chunk: span of zero tokens (a content id names at least one token)")
 
 
 def _structural(obj: bytes | memoryview) -> ChunkHeader:
@@ -407,6 +416,8 @@ def _open_and_check_content(
     else:
         frame = payload
     plaintext = decode_frame(h.codec, frame, h.plaintext_bytes)
+    if span is not None:
+        _content_id_precondition(span)
     if key is not None and span is not None:
         content = chunk_content_id(
             ks.chunk_identity, h.tenant, fam_digest, key.layer, key.name, span.token_start, span.token_count, span.plaintext_offset, plaintext
