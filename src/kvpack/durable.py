@@ -45,6 +45,11 @@ class FileOps:
     def rename(self, src: str, dst: str) -> None:
         os.rename(src, dst)
 
+    def link(self, src: str, dst: str) -> None:
+        """Create ``dst`` as a new name of ``src``; fails with EEXIST if ``dst`` exists (the
+        create-only publication of an immutable object)."""
+        os.link(src, dst)
+
     def fsync_dir(self, path: str) -> None:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
         try:
@@ -57,6 +62,37 @@ class FileOps:
 
     def mkdir(self, path: str, mode: int) -> None:
         os.mkdir(path, mode)
+
+    # -- reads (not durability points; the fault layer can fail or corrupt them) -------------
+    def read_file(self, path: str) -> bytes:
+        with open(path, "rb", buffering=0) as fh:
+            return fh.read()
+
+    def read_range(self, path: str, offset: int, length: int) -> bytes:
+        with open(path, "rb", buffering=0) as fh:
+            return os.pread(fh.fileno(), length, offset)
+
+    def readinto(self, path: str, region: memoryview) -> tuple[bytes | memoryview, int]:
+        """Read a whole file into ``region``: ``(view of region, n)``; a file larger than the
+        region comes back whole as bytes (for a decoder to refuse)."""
+        with open(path, "rb", buffering=0) as fh:
+            n = 0
+            while n < len(region):
+                got = fh.readinto(region[n:])
+                if not got:
+                    break
+                n += got
+            if n == len(region):
+                rest = fh.read()
+                if rest:
+                    return region.tobytes() + rest, n + len(rest)
+            return region[:n], n
+
+    def listdir(self, path: str) -> list[str]:
+        return os.listdir(path)
+
+    def stat(self, path: str) -> os.stat_result:
+        return os.stat(path)
 
 
 REAL_OPS = FileOps()
@@ -75,8 +111,12 @@ def atomic_write(
     ops: FileOps = REAL_OPS,
     mode: int = 0o600,
     sync_dir: bool = True,
-) -> None:
+    replace: bool = True,
+) -> bool:
     """Durably replace ``path`` with ``data`` (one buffer or an iterable of buffers).
+
+    With ``replace=False`` the target is created only if it does not exist (``link`` instead
+    of ``rename``): returns False, writing nothing, when it already exists.
 
     Raises :class:`DurableIOError` naming the step that failed. On failure the temporary file
     is removed (best effort) and the target is untouched.
@@ -98,11 +138,18 @@ def atomic_write(
         ops.close(fd)
         fd = -1
         step = "rename"
-        ops.rename(tmp, target)
-        tmp = ""
+        if replace:
+            ops.rename(tmp, target)
+            tmp = ""
+        else:
+            try:
+                ops.link(tmp, target)
+            except FileExistsError:
+                return False  # the finally clause removes the temp file
         if sync_dir:
             step = "dirsync"
             ops.fsync_dir(os.path.dirname(target) or ".")
+        return True
     except OSError as exc:
         raise DurableIOError(step, f"{target}: {os.strerror(exc.errno or errno.EIO)}") from exc
     finally:

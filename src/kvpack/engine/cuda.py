@@ -206,6 +206,11 @@ class StagingSlot:
             self.done_event.synchronize()  # the install's copy out of device_buf has run
             self._done_recorded = False
 
+    def host_region(self) -> memoryview:
+        """The (pinned) host buffer as a writable view, for a storage backend to read a chunk
+        object into (``StorageEnv.read_into``)."""
+        return self._host_view[: self.stager.host_bytes]
+
     def read_file(self, path: str) -> memoryview | None:
         """Read a whole chunk object file into the host buffer; ``None`` if the file is
         larger than any valid chunk object (the caller reads it normally and the decoder

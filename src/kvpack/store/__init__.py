@@ -1,5 +1,6 @@
-"""The filesystem pack store (save, find_deepest, restore, verify, gc); see packstore.py."""
+"""The pack store (save, find_deepest, restore, verify, repair, gc) on a storage environment:
+a directory (:mod:`.posix`) or an S3-compatible bucket (:mod:`.s3`); see packstore.py."""
 
-from .packstore import Hit, PackStore, RestoreReport, SaveReport
+from .packstore import Hit, Lookup, PackStore, RestoreReport, SaveReport
 
-__all__ = ["Hit", "PackStore", "RestoreReport", "SaveReport"]
+__all__ = ["Hit", "Lookup", "PackStore", "RestoreReport", "SaveReport"]

@@ -12,8 +12,14 @@ creations and unlinks are reverted in reverse order), then :class:`SimulatedCras
 ``SimulatedCrash`` derives from BaseException so that production code's ``except OSError`` /
 ``except Exception`` cleanup paths do not run, exactly like a killed process.
 
-``fail`` makes chosen steps raise ``OSError(EIO)`` instead (e.g. EIO on fsync); ``delays``
-adds latency to an operation kind (e.g. a slow directory fsync for the volume probe).
+``fail`` makes chosen steps raise ``OSError(EIO)`` instead (e.g. EIO on fsync); ``errno_``
+picks another error (``ENOSPC`` for a full disk); ``delays`` adds latency to an operation
+kind (e.g. a slow directory fsync for the volume probe).
+
+Reads and listings (``read``, ``list``, ``stat``) are not durability points and never count
+as steps, but they go through the same layer: ``fail_reads`` (a set of kinds, or a predicate
+on ``(kind, path)``) makes them raise ``OSError(EIO)`` like a failing disk, and
+``corrupt_reads`` (``(path, data) -> data``) hands back silently damaged bytes.
 """
 
 from __future__ import annotations
@@ -39,8 +45,15 @@ class FaultyOps(FileOps):
         fail: Callable[[int, str], bool] | None = None,
         fail_ops: Container[str] = (),
         delays: dict[str, float] | None = None,
+        errno_: int = errno.EIO,
+        fail_reads: Container[str] | Callable[[str, str], bool] = (),
+        corrupt_reads: Callable[[str, bytes], bytes] | None = None,
     ) -> None:
         self.crash_at = crash_at
+        self.errno = errno_
+        self._fail_reads = fail_reads
+        self._corrupt_reads = corrupt_reads
+        self.reads: list[tuple[str, str]] = []
         self._fail = fail
         self._fail_ops = fail_ops
         self.delays = dict(delays or {})
@@ -66,6 +79,14 @@ class FaultyOps(FileOps):
         if delay:
             time.sleep(delay)
         if name in self._fail_ops or (self._fail is not None and self._fail(self.steps, name)):
+            raise OSError(self.errno, os.strerror(self.errno))
+
+    def _read_fault(self, kind: str, path: str) -> None:
+        if self.crashed:
+            raise SimulatedCrash("machine already crashed")
+        self.reads.append((kind, path))
+        fail = self._fail_reads
+        if (callable(fail) and fail(kind, path)) or (not callable(fail) and kind in fail):
             raise OSError(errno.EIO, os.strerror(errno.EIO))
 
     @staticmethod
@@ -145,6 +166,42 @@ class FaultyOps(FileOps):
         self._dirty.pop(path, None)
         if content is not None:
             self._pending.append((self._dir(path), "unlink", path, content, mode))
+
+    def link(self, src: str, dst: str) -> None:
+        self._step("link")
+        src, dst = os.path.abspath(src), os.path.abspath(dst)
+        super().link(src, dst)
+        if src in self._dirty:
+            self._dirty[dst] = self._dirty[src]
+        self._pending.append((self._dir(dst), "create", dst))
+
+    # -- reads: never steps, but they can fail or lie ---------------------------------------
+    def read_file(self, path: str) -> bytes:
+        self._read_fault("read", path)
+        data = super().read_file(path)
+        return self._corrupt_reads(path, data) if self._corrupt_reads is not None else data
+
+    def read_range(self, path: str, offset: int, length: int) -> bytes:
+        self._read_fault("read", path)
+        return super().read_range(path, offset, length)
+
+    def readinto(self, path: str, region: memoryview):
+        self._read_fault("read", path)
+        if self._corrupt_reads is None:
+            return super().readinto(path, region)
+        data = self._corrupt_reads(path, super().read_file(path))
+        if len(data) > len(region):
+            return data, len(data)
+        region[: len(data)] = data
+        return region[: len(data)], len(data)
+
+    def listdir(self, path: str) -> list[str]:
+        self._read_fault("list", path)
+        return super().listdir(path)
+
+    def stat(self, path: str) -> os.stat_result:
+        self._read_fault("stat", path)
+        return super().stat(path)
 
     def mkdir(self, path: str, mode: int) -> None:
         self._step("mkdir")

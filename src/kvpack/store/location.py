@@ -1,0 +1,177 @@
+"""Where a store lives: a directory path or ``s3://bucket/prefix``; creating and opening one.
+
+Every CLI verb that takes a store takes either form (``--endpoint URL`` for S3; credentials
+come from the usual AWS environment variables or a 0600 credentials file, never from
+store.json, a command line or a log). ``init`` refuses before it writes anything it cannot
+finish: a root key file that breaks its contract, an existing store, a bad chunk size; and
+if a step fails after the first write, what it wrote is removed again, so a refused ``init``
+leaves no partial store behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from ..durable import REAL_OPS, FileOps
+from ..errors import KvpackError, SecurityError, StoreError
+from ..format import constants as C
+from ..rootkey import create_root_key, load_root_key
+from .env import ObjectMissing, StorageEnv
+from .packstore import DEFAULT_CHUNK_BYTES, STORE_FORMAT, STORE_VERSION, PackStore
+
+S3_SCHEME = "s3://"
+#: store.json's root_key_file value for stores whose key never lives beside them (S3)
+EXTERNAL_KEY = "external"
+
+
+def is_s3(location: str) -> bool:
+    return location.startswith(S3_SCHEME)
+
+
+def make_env(location: str | StorageEnv, *, ops: FileOps = REAL_OPS, endpoint: str | None = None, credentials_file: str | None = None) -> StorageEnv:
+    """The storage environment for a location string (or the env itself)."""
+    if isinstance(location, StorageEnv):
+        return location
+    if is_s3(location):
+        from .s3 import S3Env
+
+        return S3Env.from_url(location, endpoint=endpoint, credentials_file=credentials_file)
+    return _posix(location, ops)
+
+
+def _posix(path: str, ops: FileOps) -> StorageEnv:
+    from .posix import PosixEnv
+
+    return PosixEnv(path, ops=ops)
+
+
+def _load_key(path: str) -> bytes:
+    try:
+        return load_root_key(path)
+    except SecurityError as exc:
+        raise StoreError("key", exc.message) from None
+
+
+def _read_config(env: StorageEnv) -> dict:
+    try:
+        config = json.loads(env.read("store.json"))
+    except ObjectMissing:
+        raise StoreError("usage", f"{env.location} is not a kvpack store (no store.json); run 'kvpack store init'") from None
+    except ValueError as exc:
+        raise StoreError("corrupt", f"{env.location}/store.json unreadable: {exc}") from None
+    if not isinstance(config, dict) or config.get("format") != STORE_FORMAT or config.get("version") != STORE_VERSION:
+        raise StoreError("corrupt", f"{env.location}/store.json: unknown store format/version")
+    return config
+
+
+def open_store(
+    location: str | StorageEnv,
+    *,
+    root_key_file: str | None = None,
+    ops: FileOps = REAL_OPS,
+    endpoint: str | None = None,
+    credentials_file: str | None = None,
+) -> PackStore:
+    env = make_env(location, ops=ops, endpoint=endpoint, credentials_file=credentials_file)
+    try:
+        config = _read_config(env)
+        key_path = root_key_file or os.environ.get("KVPACK_ROOT_KEY_FILE") or config.get("root_key_file") or "root.key"
+        if key_path == EXTERNAL_KEY:
+            raise StoreError("key", f"{env.location} keeps its root key outside the store: pass --root-key-file (or set KVPACK_ROOT_KEY_FILE)")
+        if not os.path.isabs(key_path):
+            if is_s3(env.location):
+                raise StoreError("key", "an S3 store needs an absolute --root-key-file")
+            key_path = os.path.join(env.location, key_path)
+        return PackStore(env, config, _load_key(key_path))
+    except BaseException:
+        if not isinstance(location, StorageEnv):
+            env.close()
+        raise
+
+
+def init_store(
+    location: str | StorageEnv,
+    *,
+    tenant: str = "default",
+    encrypted: bool = False,
+    root_key_file: str | None = None,
+    key_epoch: int = 1,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    ops: FileOps = REAL_OPS,
+    endpoint: str | None = None,
+    credentials_file: str | None = None,
+) -> PackStore:
+    if not 1 <= chunk_bytes <= C.MAX_CHUNK_PLAINTEXT:
+        raise StoreError("usage", "chunk size must be 1..4 MiB")
+    if not tenant:
+        raise StoreError("usage", "tenant name must not be empty")
+    env = make_env(location, ops=ops, endpoint=endpoint, credentials_file=credentials_file)
+    remote = is_s3(env.location)
+    if env.exists("store.json"):
+        raise StoreError("usage", f"{env.location} already holds a store")
+    if root_key_file is None and remote:
+        raise StoreError("usage", "an S3 store keeps its root key outside the bucket: pass --root-key-file (created 0600 if missing)")
+    key_path = os.path.abspath(root_key_file) if root_key_file else os.path.join(env.location, "root.key")
+    key_ref = EXTERNAL_KEY if remote else (key_path if root_key_file else "root.key")
+    # refuse a bad existing key before anything is written
+    key_exists = os.path.lexists(key_path)
+    if key_exists:
+        _load_key(key_path)
+    dir_existed = remote or os.path.exists(env.location)
+    config = {
+        "format": STORE_FORMAT,
+        "version": STORE_VERSION,
+        "tenant": tenant,
+        "key_epoch": key_epoch,
+        "encrypted": encrypted,
+        "chunk_bytes": chunk_bytes,
+        "root_key_file": key_ref,
+    }
+    wrote_config = False
+    try:
+        env.setup()
+        if not key_exists:
+            create_root_key(key_path)
+        if not env.write("store.json", json.dumps(config, indent=2, sort_keys=True).encode() + b"\n", create_only=True):
+            raise StoreError("usage", f"{env.location} already holds a store (created concurrently)")
+        wrote_config = True
+        return open_store(env, root_key_file=key_path if remote or root_key_file else None)
+    except BaseException as exc:
+        _undo_init(env, key_path if not key_exists else None, dir_existed, wrote_config=wrote_config)
+        if isinstance(exc, KvpackError):
+            raise
+        if isinstance(exc, OSError):
+            raise StoreError("io", f"init {env.location}: {exc.strerror or exc}") from None
+        raise
+
+
+def _undo_init(env: StorageEnv, created_key: str | None, dir_existed: bool, *, wrote_config: bool) -> None:
+    """Remove what a refused init wrote (best effort; the refusal itself is what matters)."""
+    try:
+        if wrote_config:
+            env.delete("store.json")
+        env.destroy_empty()
+        if created_key:
+            try:
+                os.unlink(created_key)
+            except FileNotFoundError:
+                pass
+        if not dir_existed:
+            try:
+                os.rmdir(env.location)
+            except OSError:
+                pass
+    except OSError:
+        pass
+
+
+def store_kwargs(args: Any) -> dict:
+    """The opening arguments a CLI verb passes on (``--root-key-file``, ``--endpoint``,
+    ``--s3-credentials``)."""
+    return {
+        "root_key_file": getattr(args, "root_key_file", None),
+        "endpoint": getattr(args, "endpoint", None),
+        "credentials_file": getattr(args, "s3_credentials", None),
+    }

@@ -1,0 +1,343 @@
+"""Checking, healing and collecting a pack store: ls, verify, quarantine, repair, forget, gc.
+
+* ``verify`` checks every indexed cut like ``restic check``: the pack chain always, the
+  binding of each index entry to its manifest (an entry may only name a manifest of its own
+  cut), and with ``read_data`` every chunk and logits object byte by byte.
+* ``quarantine`` takes one cut out of the index after it failed verification (a restore
+  refused it, or ``repair`` found it bad): a JSON receipt under ``quarantine/`` records what
+  failed and why, the index entry is removed with a compare-and-swap (only if it still names
+  that cut), and objects that are wrong for their own name are deleted so a republication
+  writes them afresh instead of building on them. The cut is then a miss: recompute,
+  republish.
+* ``repair`` quarantines every cut ``verify --read-data`` finds bad and drops malformed
+  index entries; ``forget`` removes the entries naming one cut.
+* ``gc`` keeps what index entries and live leases reach and deletes the rest -- on a
+  grace-period backend only what is older than the grace period.
+
+Nothing here decides *how* bytes are stored (the environment does) or restores anything.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import secrets
+import time
+from typing import Any
+
+from ..errors import FormatError, StoreError
+from ..format.chunk import ChunkHeader, decode_chunk
+from ..format.objects import ChunkRef, Manifest
+from .env import GC, RESTORE, ObjectInfo
+from .packstore import Hit, PackStore, chunk_name, index_name, logits_name, pack_name
+
+RECEIPT_FORMAT = "kvpack-quarantine"
+
+
+def index_entries(store: PackStore, problems: list[str] | None = None) -> list[tuple[bytes, bytes]]:
+    """(node id, manifest id) of every well-formed index entry; malformed ones are
+    reported into ``problems`` when given (and otherwise skipped)."""
+    out = []
+    for info in store.env.list("index/"):
+        name = info.name.rpartition("/")[2]
+        if name.startswith("."):
+            continue
+        try:
+            node = bytes.fromhex(name)
+            mid = store._read_index(node)
+        except (ValueError, StoreError) as exc:
+            if problems is not None:
+                problems.append(f"index entry {name}: {exc}")
+            continue
+        if mid is not None:
+            out.append((node, mid))
+    return sorted(out)
+
+
+def ls(store: PackStore) -> list[dict]:
+    rows: list[dict[str, Any]] = []
+    for _node, mid in index_entries(store):
+        try:
+            chain = store.load_chain(mid)
+        except StoreError as exc:
+            rows.append({"manifest_id": mid.hex(), "error": str(exc)})
+            continue
+        top = chain[0]
+        rows.append(
+            {
+                "manifest_id": mid.hex(),
+                "tokens": top.cut.token_count,
+                "kind": "delta" if top.schema.parent else "full",
+                "depth": top.schema.depth,
+                "packs": len(chain),
+                "states": len(top.family.states),
+                "segment_bytes": top.schema.segment_restored_bytes,
+                "complete_bytes": top.schema.complete_restored_bytes,
+                "has_logits": store.env.exists(logits_name(mid)),
+            }
+        )
+    return rows
+
+
+class _Checker:
+    """Checks cuts one by one, remembering chunk verdicts so shared chunks are read once."""
+
+    def __init__(self, store: PackStore, read_data: bool) -> None:
+        self.store = store
+        self.read_data = read_data
+        self.chunks_checked = 0
+        self.verdicts: dict[tuple[bytes, bytes], dict | None] = {}  # (content id, digest) -> problem
+        self.sizes: dict[str, int] | None = None if read_data else {i.name: i.size for i in store.env.list("chunks/")}
+
+    def cut(self, node: bytes, mid: bytes) -> list[dict]:
+        """Problems of one indexed cut: ``{"object": name or None, "problem": text,
+        "remove": whether the object is wrong for its own name}``."""
+        store = self.store
+        try:
+            chain = store.load_chain(mid)
+            store.check_binding(node, mid, chain[0])
+        except StoreError as exc:
+            return [self._pack_problem(mid, exc)]
+        problems = []
+        for manifest in chain:
+            for key, span, ref in manifest.chunk_refs():
+                verdict = self.chunk(manifest, key, span, ref)
+                if verdict is not None:
+                    problems.append(verdict)
+        try:
+            if self.read_data:
+                store._read_logits(mid, chain[0])
+            elif not store.env.exists(logits_name(mid)):
+                problems.append({"object": None, "problem": f"cut {mid.hex()}: no final-logits object", "remove": False})
+        except StoreError as exc:
+            problems.append({"object": logits_name(mid), "problem": f"{exc.category}: {exc.message}", "remove": exc.category == "corrupt"})
+        except FormatError as exc:
+            problems.append({"object": logits_name(mid), "problem": f"refused {exc.category}: {exc.message}", "remove": True})
+        return problems
+
+    def _pack_problem(self, mid: bytes, exc: StoreError) -> dict:
+        text = f"cut {mid.hex()}: {exc.category}: {exc.message}"
+        # a pack that holds another manifest, or fails its own checks, is wrong for its name
+        bad_pack = exc.category == "corrupt" and "index entry" not in exc.message and mid.hex() in exc.message
+        return {"object": pack_name(mid) if bad_pack else None, "problem": text, "remove": bad_pack}
+
+    def chunk(self, manifest: Manifest, key: Any, span: Any, ref: ChunkRef) -> dict | None:
+        seen = (ref.content_id, ref.object_digest)
+        if seen in self.verdicts:
+            return self.verdicts[seen]
+        name = chunk_name(ref.content_id)
+        verdict = None
+        if self.sizes is not None:
+            if self.sizes.get(name) != ref.object_bytes:
+                verdict = {"object": None, "problem": f"chunk {ref.content_id.hex()}: missing or wrong size", "remove": False}
+        else:
+            verdict = self._read_chunk(manifest, key, span, ref, name)
+        self.chunks_checked += 1
+        self.verdicts[seen] = verdict
+        return verdict
+
+    def _read_chunk(self, manifest: Manifest, key: Any, span: Any, ref: ChunkRef, name: str) -> dict | None:
+        store = self.store
+        try:
+            obj = store.env.read(name)
+        except FileNotFoundError:
+            return {"object": None, "problem": f"chunk {ref.content_id.hex()}: missing", "remove": False}
+        args = dict(span=span, tenant=store.tenant, family=manifest.family, key=key, keys=store.keys)
+        try:
+            decode_chunk(obj, ref=ref, **args)
+            return None
+        except FormatError as exc:
+            problem = f"chunk {ref.content_id.hex()}: refused {exc.category}: {exc.message}"
+        # Wrong for this manifest; is it still a valid object for its own name (another
+        # encoding of the same plaintext)? Then only the cut is bad, not the object.
+        return {"object": name, "problem": problem, "remove": not _valid_for_name(obj, ref, args)}
+
+
+def _valid_for_name(obj: bytes, ref: ChunkRef, args: dict) -> bool:
+    try:
+        h = ChunkHeader.parse(obj)
+        own = ChunkRef(h.content_id, h.object_key, hashlib.sha256(obj).digest(), h.key_epoch, h.plaintext_bytes, len(obj))
+        if own.content_id != ref.content_id:
+            return False
+        decode_chunk(obj, ref=own, **args)
+        return True
+    except (FormatError, ValueError, IndexError):
+        return False
+
+
+def verify(store: PackStore, *, read_data: bool = True) -> dict:
+    """Check every indexed cut: packs and index bindings (always), and with ``read_data``
+    every chunk and logits object byte by byte (restic-style ``check --read-data``)."""
+    problems: list[str] = []
+    cuts = 0
+    with store.env.lease(RESTORE):
+        checker = _Checker(store, read_data)
+        for node, mid in index_entries(store, problems):
+            found = checker.cut(node, mid)
+            problems.extend(p["problem"] if p["problem"].startswith("cut ") else f"cut {mid.hex()}: {p['problem']}" for p in found)
+            cuts += 1
+    return {"cuts": cuts, "chunks_checked": checker.chunks_checked, "problems": problems, "ok": not problems}
+
+
+def quarantine(store: PackStore, node: bytes, mid: bytes | None, problems: list[dict], *, by: str) -> dict:
+    """Take the cut at ``node`` out of the index (only if it still names ``mid``), with a
+    receipt; delete objects that are wrong for their own name. Returns the receipt."""
+    receipt: dict[str, Any] = {
+        "format": RECEIPT_FORMAT,
+        "version": 1,
+        "time": round(time.time(), 3),
+        "by": by,
+        "node_id": node.hex(),
+        "manifest_id": mid.hex() if mid is not None else None,
+        "problems": [p["problem"] for p in problems],
+        "objects_removed": sorted({p["object"] for p in problems if p.get("remove") and p.get("object")}),
+        "index_entry_removed": False,
+    }
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    receipt_name = f"quarantine/{stamp}-{(mid or node).hex()[:16]}-{secrets.token_hex(4)}.json"
+    store.env.write(receipt_name, json.dumps(receipt, indent=1, sort_keys=True).encode() + b"\n", create_only=True)
+    got = store.env.read_versioned(index_name(node))
+    if got is not None:
+        try:
+            named = bytes.fromhex(got[0].strip().decode())
+        except (ValueError, UnicodeDecodeError):
+            named = None
+        if mid is None or named == mid:
+            receipt["index_entry_removed"] = store.env.delete(index_name(node), if_version=got[1])
+    for name in receipt["objects_removed"]:
+        store.env.delete(name)
+    receipt["receipt"] = receipt_name
+    return receipt
+
+
+def quarantine_after_refusal(store: PackStore, hit: Hit, exc: StoreError) -> dict | None:
+    """A restore refused ``hit``: quarantine it, unless its index entry moved meanwhile (a
+    concurrent republication or forget: then it is only a miss)."""
+    try:
+        if store._read_index(hit.node_id) != hit.manifest_id:
+            return None
+    except StoreError:
+        pass  # a malformed entry is quarantined below like any other bad one
+    with store.env.lease(RESTORE, protects=[hit.manifest_id.hex()]):
+        problems = _Checker(store, read_data=True).cut(hit.node_id, hit.manifest_id)
+    refusal = {"object": None, "problem": f"restore refused {exc.category}: {exc.message}", "remove": False}
+    return quarantine(store, hit.node_id, hit.manifest_id, [refusal, *problems], by="restore")
+
+
+def repair(store: PackStore) -> dict:
+    """Quarantine every cut that fails ``verify --read-data`` and drop malformed entries."""
+    receipts = []
+    checked = 0
+    with store.env.lease(RESTORE):
+        checker = _Checker(store, read_data=True)
+        for info in list(store.env.list("index/")):
+            name = info.name.rpartition("/")[2]
+            try:
+                node = bytes.fromhex(name)
+                if len(node) != 32:
+                    raise ValueError("index name is not 32 bytes of hex")
+                mid = store._read_index(node)
+            except (ValueError, StoreError) as exc:
+                # a malformed entry (or a stray object under index/): drop it with a receipt
+                receipts.append(_drop_malformed(store, info, str(exc)))
+                continue
+            if mid is None:
+                continue
+            checked += 1
+            problems = checker.cut(node, mid)
+            if problems:
+                receipts.append(quarantine(store, node, mid, problems, by="repair"))
+    return {"cuts_checked": checked, "quarantined": len(receipts), "receipts": receipts}
+
+
+def _drop_malformed(store: PackStore, info: ObjectInfo, why: str) -> dict:
+    problem = {"object": info.name, "problem": f"{info.name}: malformed: {why}", "remove": True}
+    try:
+        node = bytes.fromhex(info.name.rpartition("/")[2])
+    except ValueError:
+        node = hashlib.sha256(info.name.encode()).digest()
+    receipt = quarantine(store, node, None, [problem], by="repair")
+    store.env.delete(info.name)
+    return receipt
+
+
+def forget(store: PackStore, manifest_id: bytes) -> dict:
+    """Remove every index entry naming ``manifest_id`` (its objects become garbage)."""
+    removed = 0
+    for node, mid in index_entries(store):
+        if mid != manifest_id:
+            continue
+        got = store.env.read_versioned(index_name(node))
+        if got is not None and store.env.delete(index_name(node), if_version=got[1]):
+            removed += 1
+    if not removed:
+        raise StoreError("usage", f"no index entry names cut {manifest_id.hex()}")
+    return {"manifest_id": manifest_id.hex(), "index_entries_removed": removed}
+
+
+def gc(store: PackStore) -> dict:
+    """Remove what no indexed cut (nor a live lease) references. POSIX runs under the
+    exclusive lock, so it never races a publication; S3 runs beside publishers and deletes
+    only unreferenced objects older than the grace period (docs/store.md "gc and leases")."""
+    removed = {"chunks": 0, "packs": 0, "logits": 0, "index": 0, "temp": 0, "bytes": 0, "quarantined": 0}
+    env = store.env
+    with env.lease(GC):
+        started = env.now()
+        live_packs, live_chunks = _mark(store, removed)
+        for mid_hex in env.protected():
+            try:
+                _add_chain(store, bytes.fromhex(mid_hex), live_packs, live_chunks)
+            except (ValueError, StoreError):
+                continue  # a protected cut that does not load protects nothing
+        for prefix, live, suffix, label in (
+            ("chunks/", live_chunks, ".kvchk", "chunks"),
+            ("packs/", live_packs, ".kvpkp", "packs"),
+            ("logits/", live_packs, ".kvchk", "logits"),
+        ):
+            _sweep(store, prefix, live, suffix, label, started, removed)
+        removed["temp"] += env.sweep_incomplete(started - env.gc_grace_s) if env.gc_grace_s else 0
+    return removed
+
+
+def _mark(store: PackStore, removed: dict) -> tuple[set[str], set[str]]:
+    live_packs: set[str] = set()
+    live_chunks: set[str] = set()
+    for node, mid in index_entries(store):
+        try:
+            _add_chain(store, mid, live_packs, live_chunks)
+        except StoreError as exc:
+            if exc.category not in ("corrupt", "incomplete"):
+                raise
+            # an entry whose cut cannot be loaded is useless: quarantine the entry, keep the
+            # files until nothing references them
+            problem = {"object": None, "problem": f"cut {mid.hex()}: {exc.category}: {exc.message}", "remove": False}
+            quarantine(store, node, mid, [problem], by="gc")
+            removed["index"] += 1
+            removed["quarantined"] += 1
+    return live_packs, live_chunks
+
+
+def _add_chain(store: PackStore, mid: bytes, live_packs: set[str], live_chunks: set[str]) -> None:
+    for manifest in store.load_chain(mid):
+        live_packs.add(manifest.manifest_id().hex())
+        for _key, _span, ref in manifest.chunk_refs():
+            live_chunks.add(ref.content_id.hex())
+
+
+def _sweep(store: PackStore, prefix: str, live: set[str], suffix: str, label: str, started: float, removed: dict) -> None:
+    env = store.env
+    grace = env.gc_grace_s
+    for info in list(env.list(prefix)):
+        name = info.name[len(prefix) :]
+        if grace and started - info.mtime <= grace:
+            continue  # young: may belong to a publication in flight
+        if name.startswith(".") and name.endswith(".tmp"):
+            kind = "temp"  # left by a crashed writer (POSIX)
+        elif name.endswith(suffix) and name[: -len(suffix)] not in live:
+            kind = label
+        else:
+            continue
+        if env.delete(info.name, batch=True):
+            removed["bytes"] += info.size
+            removed[kind] += 1
+    env.commit(prefix)

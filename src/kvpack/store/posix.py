@@ -1,0 +1,182 @@
+"""The POSIX storage environment: a store directory on a local (or NFS-free) filesystem.
+
+Every durable write goes through :mod:`kvpack.durable` (temp file O_EXCL 0600, write, fsync,
+rename or link, directory fsync) and every system call, reads and listings included, through
+its :class:`~kvpack.durable.FileOps`, so the fault-injecting layer
+(:mod:`kvpack.testing.faults`) sees all of them. Leases are ``flock`` on ``<dir>/lock``:
+publishers and restores share it, gc holds it exclusively, and the kernel drops it when a
+holder dies, so no grace period is needed. Compare-and-swap on index entries holds an
+exclusive ``flock`` on the index directory for the read-compare-rename.
+
+This module must never interpret what it stores: names in, bytes out.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import os
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+
+from ..durable import REAL_OPS, FileOps, atomic_write, durable_unlink, ensure_dir, sync_dir
+from ..errors import DurableIOError, StoreError
+from .env import GC, Buffer, Lease, ReadBuffer, ObjectInfo, ObjectMissing, StorageEnv
+
+#: Top-level directories of a store (one per object kind).
+SUBDIRS = ("chunks", "packs", "logits", "index", "quarantine")
+
+
+class _FlockLease(Lease):
+    def check(self) -> None:
+        return None  # the kernel holds a flock until the descriptor closes
+
+
+class PosixEnv(StorageEnv):
+    """A store directory. ``ops`` is the system-call layer (tests pass a fault injector)."""
+
+    def __init__(self, path: str, *, ops: FileOps = REAL_OPS, lock_timeout_s: float = 600.0) -> None:
+        self.root = os.path.abspath(path)
+        self.location = self.root
+        self.ops = ops
+        self.lock_timeout_s = lock_timeout_s
+        self.io_parallelism = 0
+
+    def _p(self, name: str) -> str:
+        if name.startswith("/") or ".." in name.split("/"):
+            raise StoreError("usage", f"object name {name!r} escapes the store")
+        return os.path.join(self.root, *name.split("/"))
+
+    # -- reads -------------------------------------------------------------------------------
+    def read(self, name: str) -> bytes:
+        try:
+            return self.ops.read_file(self._p(name))
+        except FileNotFoundError:
+            raise ObjectMissing(errno.ENOENT, "no such object", name) from None
+
+    def read_range(self, name: str, offset: int, length: int) -> bytes:
+        try:
+            return self.ops.read_range(self._p(name), offset, length)
+        except FileNotFoundError:
+            raise ObjectMissing(errno.ENOENT, "no such object", name) from None
+
+    def read_into(self, name: str, region: memoryview) -> tuple[ReadBuffer, int]:
+        try:
+            return self.ops.readinto(self._p(name), region)
+        except FileNotFoundError:
+            raise ObjectMissing(errno.ENOENT, "no such object", name) from None
+
+    def stat(self, name: str) -> ObjectInfo | None:
+        try:
+            st = self.ops.stat(self._p(name))
+        except FileNotFoundError:
+            return None
+        return ObjectInfo(name, st.st_size, st.st_mtime)
+
+    def list(self, prefix: str) -> Iterator[ObjectInfo]:
+        directory, _, start = prefix.rpartition("/")
+        try:
+            names = self.ops.listdir(self._p(directory) if directory else self.root)
+        except FileNotFoundError:
+            return
+        for entry in sorted(names):
+            if not entry.startswith(start):
+                continue
+            name = f"{directory}/{entry}" if directory else entry
+            info = self.stat(name)
+            if info is not None:  # removed meanwhile
+                yield info
+
+    # -- writes ------------------------------------------------------------------------------
+    def write(self, name: str, data: Buffer | Iterable[Buffer], *, create_only: bool = False, batch: bool = False) -> bool:
+        return atomic_write(self._p(name), data, ops=self.ops, mode=0o600, sync_dir=not batch, replace=not create_only)
+
+    def commit(self, prefix: str) -> None:
+        sync_dir(self._p(prefix.rstrip("/")), ops=self.ops)
+
+    def delete(self, name: str, *, if_version: str | None = None, batch: bool = False) -> bool:
+        path = self._p(name)
+        if if_version is not None:
+            with self._cas_lock(name):
+                cur = self.read_versioned(name)
+                if cur is None or cur[1] != if_version:
+                    return False
+                return durable_unlink(path, ops=self.ops)
+        if batch:
+            try:
+                self.ops.unlink(path)
+            except FileNotFoundError:
+                return False
+            except OSError as exc:
+                raise DurableIOError("rename", f"unlink {path}: {exc.strerror}") from exc
+            return True
+        return durable_unlink(path, ops=self.ops)
+
+    def read_versioned(self, name: str) -> tuple[bytes, str] | None:
+        try:
+            data = self.read(name)
+        except ObjectMissing:
+            return None
+        return data, hashlib.sha256(data).hexdigest()[:32]
+
+    def write_if(self, name: str, data: bytes, version: str | None) -> bool:
+        with self._cas_lock(name):
+            cur = self.read_versioned(name)
+            if (cur[1] if cur is not None else None) != version:
+                return False
+            atomic_write(self._p(name), data, ops=self.ops, mode=0o600)
+            return True
+
+    @contextmanager
+    def _cas_lock(self, name: str) -> Iterator[None]:
+        """An exclusive flock on the object's directory for one read-compare-rename."""
+        directory = os.path.dirname(self._p(name))
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+    # -- leases ------------------------------------------------------------------------------
+    @contextmanager
+    def lease(self, purpose: str, *, protects: Sequence[str] = ()) -> Iterator[Lease]:
+        fd = os.open(self._p("lock"), os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o600)
+        try:
+            mode = fcntl.LOCK_EX if purpose == GC else fcntl.LOCK_SH
+            deadline = time.monotonic() + self.lock_timeout_s
+            while True:
+                try:
+                    fcntl.flock(fd, mode | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() >= deadline:
+                        raise StoreError("locked", f"{self.root}: another process held the store lock for {self.lock_timeout_s:.0f} s") from None
+                    time.sleep(0.005)
+            yield _FlockLease()
+        finally:
+            os.close(fd)  # closing releases the flock
+
+    def now(self) -> float:
+        return time.time()
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def setup(self) -> None:
+        ensure_dir(self.root, ops=self.ops)
+        for sub in SUBDIRS:
+            ensure_dir(os.path.join(self.root, sub), ops=self.ops)
+
+    def destroy_empty(self) -> None:
+        """Remove the empty subdirectories and the lock file of a refused ``init``."""
+        for name in ("lock",):
+            try:
+                os.unlink(os.path.join(self.root, name))
+            except FileNotFoundError:
+                pass
+        for sub in SUBDIRS:
+            try:
+                os.rmdir(os.path.join(self.root, sub))
+            except OSError:
+                pass

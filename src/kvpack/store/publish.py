@@ -1,0 +1,350 @@
+"""Publication of one cut: chunks -> pack -> final logits -> index entry.
+
+Every object is written through the store's environment. Chunk objects are created only if
+absent (content-addressed objects are immutable: an encrypted re-encoding must never replace
+bytes a manifest already names by digest); an existing chunk is reused only after it verified
+against the plaintext being saved, and replaced when it does not (that is how a damaged chunk
+heals). The index entry is the commit point and a compare-and-swap: a concurrent publisher
+of the same cut never loses its entry, and an entry naming an incomplete cut is replaced.
+
+On backends whose gc runs beside publishers (S3: a grace period instead of a lock) every
+object the new cut references is young when the entry is written: reused objects older than
+a quarter of the grace period are rewritten (same bytes), the parent is protected by the
+publisher's lease, and a publication that outlived half the grace period is not committed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+import time
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from ..engine.contract import CacheLayout
+from ..errors import FormatError, StoreError
+from ..format import constants as C
+from ..format.build import build_schema
+from ..format.chunk import ChunkHeader, decode_chunk, encode_chunk
+from ..format.identity import InputCutId, PrefixChain, chunk_content_id
+from ..format.objects import ChunkRef, Manifest, PayloadState
+from ..format.pack import encode_pack
+from .env import PUBLISH, Lease, ObjectMissing
+from .mapping import logits_key, logits_span, semantic_id
+from .packstore import PackStore, SaveReport, _Context, _engine_ids, chunk_name, index_name, logits_name, pack_name
+
+
+def save(
+    store: PackStore,
+    session: Any,
+    *,
+    cut: int | None = None,
+    logits: bytes | memoryview | None = None,
+    aux: Sequence[tuple[bytes, bytes]] = (),
+    max_delta_depth: int = C.MAX_DELTA_DEPTH,
+) -> SaveReport:
+    """Publish a cut of the session.
+
+    By default the cut is the session's position and its logits are the session's last
+    row. An earlier ``cut`` may be saved with the ``logits`` row captured at that point
+    (e.g. at each 256-token boundary during prefill), provided every layer still holds
+    the rows the cut needs (always true for full-span layers).
+    """
+    t0 = time.perf_counter()
+    layout: CacheLayout = session.layout
+    ids = _engine_ids(session)
+    cut = session.position if cut is None else cut
+    logits = _checked_logits(session, layout, cut, logits)
+    ctx = store.context(layout, ids, aux)
+    chain = store._chain(ctx, session.tokens[:cut])
+    node = chain.nodes[-1]
+    with store.env.lease(PUBLISH) as lease:
+        started = store.env.now()
+        try:
+            existing = store._read_index(node.node_id)
+        except StoreError:
+            existing = None  # malformed: the commit below replaces it
+        if existing is not None and store._complete(existing):
+            return SaveReport(existing.hex(), cut, "existing", -1, seconds=time.perf_counter() - t0)
+        schema, report = _plan(store, chain, ctx, cut, max_delta_depth, lease)
+        refs = _write_chunks(store, session, ctx, schema, report, cut)
+        payload = tuple(PayloadState(fs.key, tuple(refs[fs.key])) for fs in ctx.family.states)
+        manifest = Manifest(store.tenant, store.epoch, semantic_id(ids), InputCutId(node.node_id, ctx.aux_root, cut), ctx.family, schema, payload)
+        mbytes = manifest.encode()
+        mid = manifest.manifest_id(mbytes)
+        salt, nonce = _salt_nonce(store)
+        pack = encode_pack(manifest, store.keys, encrypted=store.encrypted, salt=salt, nonce=nonce, manifest_bytes=mbytes)
+        store.env.write(pack_name(mid), pack)
+        lobj = _logits_object(store, ctx, layout, cut, mid, logits)
+        store.env.write(logits_name(mid), lobj)
+        _check_young(store, started)
+        lease.check()
+        committed = _commit_index(store, node.node_id, mid)
+    report.manifest_id = committed.hex()
+    if committed != mid:
+        report.kind = "existing"  # a concurrent publisher committed this cut first
+    report.bytes_written += len(pack) + len(lobj)
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+def _checked_logits(session: Any, layout: CacheLayout, cut: int, logits: bytes | memoryview | None) -> bytes | memoryview:
+    """Refuse early what could never be a complete cut (nothing is written before this)."""
+    if not 0 < cut <= session.position:
+        raise StoreError("usage", f"cannot save cut {cut} of a session at position {session.position}")
+    if logits is None:
+        if cut != session.position:
+            raise StoreError("incomplete", "an earlier cut needs the logits row captured at that cut")
+        logits = session.export_logits()  # refuse early: a cut without its logits is never written
+    if memoryview(logits).nbytes != layout.logits_bytes:
+        raise StoreError("incomplete", "final-logits row has the wrong size")
+    for spec in layout.layers:
+        need_lo = spec.retained_range(cut)[0]
+        if need_lo < cut and layout.retained_range(spec.index, session.position)[0] > need_lo:
+            raise StoreError("usage", f"layer {spec.index} no longer holds the window of cut {cut}")
+    return logits
+
+
+def _plan(store: PackStore, chain: PrefixChain, ctx: _Context, cut: int, max_depth: int, lease: Lease) -> tuple[Any, SaveReport]:
+    """The schema of the new pack: a delta on the deepest committed aligned strict prefix
+    when the depth allows, else a full compaction."""
+    parent = _pick_parent(store, chain, ctx, max_depth, lease)
+    if parent is not None:
+        parent_manifest, parent_id = parent
+        depth = parent_manifest.schema.depth + 1
+        schema = build_schema(ctx.family, cut, parent=(parent_id, parent_manifest.cut), depth=depth, max_chunk_bytes=store.chunk_bytes)
+        return schema, SaveReport("", cut, "delta", depth)
+    return build_schema(ctx.family, cut, max_chunk_bytes=store.chunk_bytes), SaveReport("", cut, "full", 0)
+
+
+def _pick_parent(store: PackStore, chain: PrefixChain, ctx: _Context, max_depth: int, lease: Lease) -> tuple[Manifest, bytes] | None:
+    for node in reversed(chain.nodes[:-1]):
+        if not node.reusable:
+            continue
+        try:
+            mid = store._read_index(node.node_id)
+        except StoreError:
+            return None
+        if mid is None:
+            continue
+        # protect the parent from gc first, then make sure it is still the committed one
+        lease.protect([mid.hex()])
+        try:
+            if store._read_index(node.node_id) != mid:
+                return None
+            manifest = store.load_chain(mid)[0]  # never build on a chain that does not verify
+        except StoreError:
+            return None  # an unreadable parent: write a full cut rather than build on it
+        if manifest.family != ctx.family or manifest.schema.depth + 1 > max_depth:
+            return None
+        return manifest, mid
+    return None
+
+
+def _salt_nonce(store: PackStore) -> tuple[bytes, bytes]:
+    if not store.encrypted:
+        return bytes(16), bytes(12)
+    return secrets.token_bytes(16), secrets.token_bytes(12)
+
+
+def _logits_object(store: PackStore, ctx: _Context, layout: CacheLayout, cut: int, mid: bytes, logits: bytes | memoryview) -> bytes:
+    salt, nonce = _salt_nonce(store)
+    chunk = encode_chunk(
+        keys=store.keys,
+        family_digest=ctx.family_digest,
+        key=logits_key(layout),
+        span=logits_span(layout, cut),
+        plaintext=mid + bytes(logits),
+        codec=C.CODEC_RAW,
+        encrypted=store.encrypted,
+        salt=salt,
+        nonce=nonce,
+    )
+    return bytes(chunk.obj)
+
+
+def _check_young(store: PackStore, started: float) -> None:
+    """On a grace-period backend, refuse to commit a publication that took so long that gc
+    may already consider the objects it wrote first as old garbage."""
+    grace = store.env.gc_grace_s
+    if grace and store.env.now() - started > grace / 2:
+        raise StoreError("io", f"publication took longer than half the gc grace period ({grace:.0f} s): not committed")
+
+
+def _commit_index(store: PackStore, node_id: bytes, mid: bytes) -> bytes:
+    """Write the index entry (create, or replace an entry naming an incomplete cut) with a
+    compare-and-swap. Returns the manifest id the entry holds afterwards."""
+    name = index_name(node_id)
+    data = mid.hex().encode() + b"\n"
+    for _ in range(16):
+        if store.env.write_if(name, data, None):
+            return mid
+        try:
+            cur = store._read_index_versioned(node_id)
+        except StoreError:
+            got = store.env.read_versioned(name)  # malformed: replace it
+            cur = (b"", got[1]) if got is not None else None
+        if cur is None:
+            continue  # removed meanwhile: try to create it again
+        other, version = cur
+        if other == mid or (other and store._complete(other)):
+            return other
+        if store.env.write_if(name, data, version):
+            return mid
+    raise StoreError("locked", f"index entry {node_id.hex()} kept changing under 16 compare-and-swap attempts")
+
+
+# -- chunks ---------------------------------------------------------------------------------
+
+
+def _write_chunks(store: PackStore, session: Any, ctx: _Context, schema: Any, report: SaveReport, cut: int) -> dict:
+    refs: dict = {fs.key: [None] * len(rs.spans) for fs, rs in zip(ctx.family.states, schema.states)}
+    jobs = [(fs, i, span) for fs, rs in zip(ctx.family.states, schema.states) for i, span in enumerate(rs.spans)]
+    # export from the engine on this thread (engines need not be thread-safe), hash and
+    # write on the pool (hashlib and the AEAD release the GIL on large buffers)
+    with ThreadPoolExecutor(store.workers) as pool:
+        pending: list[Future] = []
+        for (fs, i, span), (plaintext, release) in zip(jobs, _span_exports(store, session, jobs, cut)):
+            fut = pool.submit(_write_one_chunk, store, ctx, fs, i, span, plaintext)
+            if release is not None:  # a pinned export buffer: reusable once the job is done
+                fut.add_done_callback(_releaser(release))
+            pending.append(fut)
+            if len(pending) >= 2 * store.workers:
+                _collect(pending.pop(0), refs, report)
+        for fut in pending:
+            _collect(fut, refs, report)
+    store.env.commit("chunks/")
+    return refs
+
+
+def _releaser(release: Any) -> Any:
+    return lambda _fut: release()
+
+
+def _span_plaintext(session: Any, layer: int, role: str, start: int, stop: int, cut: int) -> memoryview | bytes | bytearray:
+    """Rows [start, stop) of a state at ``cut``; rows outside a windowed layer's window at
+    the cut are zero (see mapping.py)."""
+    lo, hi = session.layout.retained_range(layer, cut)
+    a, b = max(start, lo), min(stop, hi)
+    if a <= start and b >= stop:
+        return session.export_rows(layer, role, start, stop)
+    row = session.layout.layer(layer).row_bytes
+    out = bytearray((stop - start) * row)
+    if a < b:
+        out[(a - start) * row : (b - start) * row] = session.export_rows(layer, role, a, b)
+    return out
+
+
+def _span_exports(store: PackStore, session: Any, jobs: list, cut: int) -> Iterator[tuple[Any, Any]]:
+    """``(plaintext, release)`` per job, in order. Sessions offering ``export_spans``
+    (the CUDA adapter: asynchronous copies through pinned buffers, running ahead of the
+    hashing) get every span at once; ``release`` (or None) frees the buffer after use."""
+    export_spans = getattr(session, "export_spans", None)
+    if export_spans is None:
+        for fs, _i, span in jobs:
+            yield _span_plaintext(session, fs.key.layer, fs.key.name, span.token_start, span.token_start + span.token_count, cut), None
+        return
+    plan = []
+    for fs, _i, span in jobs:
+        start, stop = span.token_start, span.token_start + span.token_count
+        lo, hi = session.layout.retained_range(fs.key.layer, cut)
+        plan.append((fs.key.layer, fs.key.name, start, stop, max(start, lo), min(stop, hi)))
+    exports = export_spans([(layer, role, a, b) for layer, role, _s, _e, a, b in plan if a < b], depth=2 * store.workers)
+    try:
+        for layer, _role, start, stop, a, b in plan:
+            if a <= start and b >= stop:
+                yield next(exports)
+                continue
+            # rows outside a windowed layer's window at the cut are zero (as _span_plaintext)
+            row = session.layout.layer(layer).row_bytes
+            out = bytearray((stop - start) * row)
+            if a < b:
+                view, release = next(exports)
+                out[(a - start) * row : (b - start) * row] = view
+                if release is not None:
+                    release()
+            yield out, None
+    finally:
+        exports.close()
+
+
+def _collect(fut: Future, refs: dict, report: SaveReport) -> None:
+    key, index, ref, written, plaintext_bytes = fut.result()
+    refs[key][index] = ref
+    report.plaintext_bytes += plaintext_bytes
+    if written:
+        report.chunks_written += 1
+        report.bytes_written += ref.object_bytes
+    else:
+        report.chunks_reused += 1
+
+
+def _write_one_chunk(store: PackStore, ctx: _Context, fs: Any, index: int, span: Any, plaintext: Any) -> tuple:
+    content_id = chunk_content_id(
+        store.keys.chunk_identity,
+        store.tenant,
+        ctx.family_digest,
+        fs.key.layer,
+        fs.key.name,
+        span.token_start,
+        span.token_count,
+        span.plaintext_offset,
+        plaintext,
+    )
+    name = chunk_name(content_id)
+    ref = _existing_ref(store, ctx, fs, span, name, content_id)
+    if ref is not None:
+        return fs.key, index, ref, False, span.plaintext_bytes
+    salt, nonce = _salt_nonce(store)
+    chunk = encode_chunk(
+        keys=store.keys,
+        family_digest=ctx.family_digest,
+        key=fs.key,
+        span=span,
+        plaintext=plaintext,
+        codec=fs.codec,
+        encrypted=store.encrypted,
+        salt=salt,
+        nonce=nonce,
+        content_id=content_id,
+    )
+    if not store.env.write(name, chunk.obj, create_only=True, batch=True):
+        # another publisher created it meanwhile: adopt theirs if it verifies, else replace
+        ref = _existing_ref(store, ctx, fs, span, name, content_id)
+        if ref is not None:
+            return fs.key, index, ref, False, span.plaintext_bytes
+        store.env.write(name, chunk.obj, batch=True)
+    return fs.key, index, chunk.ref, True, span.plaintext_bytes
+
+
+def _existing_ref(store: PackStore, ctx: _Context, fs: Any, span: Any, name: str, content_id: bytes) -> ChunkRef | None:
+    """Reuse a stored chunk with this content id (dedup across packs of the family), but
+    only one that verifies completely for this span: a damaged object is never built on
+    (it is replaced instead, which heals every cut naming it)."""
+    try:
+        obj = store.env.read(name)
+    except ObjectMissing:
+        return None
+    if len(obj) < C.HEADER_BYTES:
+        return None
+    h = ChunkHeader.parse(obj)
+    if h.content_id != content_id or h.object_bytes != len(obj) or h.key_epoch != store.epoch or h.encrypted != store.encrypted:
+        return None  # damaged or foreign: write a fresh copy over it
+    ref = ChunkRef(h.content_id, h.object_key, hashlib.sha256(obj).digest(), h.key_epoch, h.plaintext_bytes, len(obj))
+    try:
+        decode_chunk(obj, ref=ref, span=span, tenant=store.tenant, family=ctx.family, key=fs.key, keys=store.keys, family_digest=ctx.family_digest)
+    except FormatError:
+        return None
+    if store.env.gc_grace_s:
+        _refresh_if_old(store, name, obj)
+    return ref
+
+
+def _refresh_if_old(store: PackStore, name: str, data: bytes | None = None) -> None:
+    """Rewrite (same bytes) an object older than a quarter of the gc grace period, so that
+    every object a new index entry references is young when the entry is written."""
+    info = store.env.stat(name)
+    if info is None or store.env.now() - info.mtime <= store.env.gc_grace_s / 4:
+        return
+    store.env.write(name, data if data is not None else store.env.read(name))

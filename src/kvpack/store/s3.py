@@ -1,0 +1,402 @@
+"""The S3 storage environment: a store under ``s3://bucket/prefix`` on any S3-compatible
+server (tested against SeaweedFS on loopback), through boto3.
+
+How the store's guarantees map onto S3:
+
+* a PUT is atomic (readers see the old object or the new one) and durable when it returns;
+  objects above ``multipart_threshold`` are uploaded in parts, in parallel, and appear only
+  when the upload completes;
+* ``create_only`` is ``If-None-Match: *`` and ``write_if`` is ``If-Match: <ETag>`` (or
+  ``If-None-Match: *``); the server answers 412 to the loser, so two writers never both win;
+* large reads are parallel ranged GETs (``range_bytes`` each);
+* leases are small objects ``leases/<random>.json`` naming the manifests they protect and
+  their time to live, renewed by a background thread; gc never deletes an object younger
+  than ``gc_grace_s`` and keeps every manifest a live lease protects, so neither a
+  publication nor a restore in flight loses an object (docs/store.md "gc and leases").
+
+Credentials come from a 0600 credentials file (``--s3-credentials`` or
+``KVPACK_S3_CREDENTIALS``) or the usual AWS environment variables; they are never written
+to store.json, a receipt or a log. Transport failures become ``StoreError("io")`` with one
+line naming the operation; a missing object is :class:`~kvpack.store.env.ObjectMissing`.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import secrets
+import threading
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from typing import Any
+
+from ..errors import StoreError
+from .env import Buffer, Lease, ReadBuffer, ObjectInfo, ObjectMissing, StorageEnv
+
+DEFAULT_GRACE_S = 900.0
+LEASE_TTL_S = 120.0
+MULTIPART_THRESHOLD = 16 << 20
+PART_BYTES = 8 << 20
+RANGE_BYTES = 8 << 20
+
+
+def load_credentials(path: str) -> dict[str, str]:
+    """Access key id and secret from a protected (0600) file: JSON
+    ``{"access_key_id": .., "secret_access_key": .., "session_token": ..}`` or the AWS INI
+    form (``aws_access_key_id = ..`` lines, first profile)."""
+    from ..errors import SecurityError
+    from ..security.secret_files import read_protected_file
+
+    try:
+        text = read_protected_file(path, what="S3 credentials file", max_size=16384).decode("utf-8")
+    except SecurityError as exc:
+        raise StoreError("key", exc.message) from None
+    except UnicodeDecodeError:
+        raise StoreError("key", f"S3 credentials file {path!r} is not UTF-8") from None
+    out: dict[str, str] = {}
+    if text.lstrip().startswith("{"):
+        try:
+            raw = json.loads(text)
+        except ValueError:
+            raise StoreError("key", f"S3 credentials file {path!r} is not valid JSON") from None
+        out = {k: str(v) for k, v in raw.items() if k in ("access_key_id", "secret_access_key", "session_token")}
+    else:
+        names = {"aws_access_key_id": "access_key_id", "aws_secret_access_key": "secret_access_key", "aws_session_token": "session_token"}
+        for line in text.splitlines():
+            key, sep, value = line.partition("=")
+            if sep and key.strip() in names and names[key.strip()] not in out:
+                out[names[key.strip()]] = value.strip()
+    if not out.get("access_key_id") or not out.get("secret_access_key"):
+        raise StoreError("key", f"S3 credentials file {path!r} lacks an access key id or secret")
+    return out
+
+
+class _S3Lease(Lease):
+    """A lease object, renewed every ttl/3 until released."""
+
+    def __init__(self, env: "S3Env", purpose: str, protects: Sequence[str]) -> None:
+        self.env = env
+        self.name = f"leases/{secrets.token_hex(12)}.json"
+        self.purpose = purpose
+        self.protects = list(protects)
+        self.renewed = 0.0
+        self.failed: str | None = None
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._write()
+        self._thread = threading.Thread(target=self._renew_loop, name="kvpack-s3-lease", daemon=True)
+        self._thread.start()
+
+    def _write(self) -> None:
+        body = json.dumps({"purpose": self.purpose, "protects": self.protects, "ttl_s": self.env.lease_ttl_s, "pid": os.getpid()}).encode()
+        with self._lock:
+            self.env.write(self.name, body)
+            self.renewed = time.monotonic()
+
+    def _renew_loop(self) -> None:
+        while not self._stop.wait(self.env.lease_ttl_s / 3):
+            try:
+                self._write()
+            except StoreError as exc:
+                self.failed = exc.message
+
+    def protect(self, manifest_ids: Sequence[str]) -> None:
+        new = [m for m in manifest_ids if m not in self.protects]
+        if new:
+            self.protects.extend(new)
+            self._write()
+
+    def check(self) -> None:
+        if time.monotonic() - self.renewed > self.env.lease_ttl_s * 0.8:
+            raise StoreError("locked", f"lease {self.name} could not be renewed in time ({self.failed or 'stalled'}): gc may have moved on")
+
+    def release(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        try:
+            self.env.delete(self.name)
+        except StoreError:
+            pass  # it expires on its own
+
+
+class S3Env(StorageEnv):
+    """A store under ``s3://bucket/prefix``. ``client`` is a boto3 S3 client."""
+
+    def __init__(self, client: Any, bucket: str, prefix: str, *, endpoint: str | None = None, gc_grace_s: float | None = None) -> None:
+        if len(bucket) < 3:
+            raise StoreError("usage", "bucket names need at least 3 characters")
+        self.client = client
+        self.bucket = bucket
+        self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
+        self.location = f"s3://{bucket}/{self.prefix}".rstrip("/")
+        self.endpoint = endpoint
+        self.gc_grace_s = float(os.environ.get("KVPACK_S3_GC_GRACE_S", DEFAULT_GRACE_S)) if gc_grace_s is None else gc_grace_s
+        self.lease_ttl_s = float(os.environ.get("KVPACK_S3_LEASE_TTL_S", LEASE_TTL_S))
+        self.io_parallelism = 16
+        self.multipart_threshold = MULTIPART_THRESHOLD
+        self.part_bytes = PART_BYTES
+        self.range_bytes = RANGE_BYTES
+        self._pool = ThreadPoolExecutor(8, thread_name_prefix="kvpack-s3")
+
+    @classmethod
+    def from_url(cls, url: str, *, endpoint: str | None = None, credentials_file: str | None = None, gc_grace_s: float | None = None) -> "S3Env":
+        bucket, _, prefix = url[len("s3://") :].partition("/")
+        if not bucket:
+            raise StoreError("usage", f"{url!r}: expected s3://bucket/prefix")
+        return cls(make_client(endpoint=endpoint, credentials_file=credentials_file), bucket, prefix, endpoint=endpoint, gc_grace_s=gc_grace_s)
+
+    def key(self, name: str) -> str:
+        return self.prefix + name
+
+    # -- error mapping -------------------------------------------------------------------------
+    @contextmanager
+    def _call(self, what: str, name: str = "") -> Iterator[None]:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            yield
+        except ClientError as exc:
+            code = str(exc.response.get("Error", {}).get("Code", ""))
+            status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
+            if status == 404 or code in ("NoSuchKey", "404", "NotFound"):
+                raise ObjectMissing(errno.ENOENT, "no such object", name) from None
+            raise StoreError("io", f"s3 {what} {self.location}/{name}: {code or status}") from None
+        except BotoCoreError as exc:
+            raise StoreError("io", f"s3 {what} {self.location}/{name}: {type(exc).__name__}: {exc}") from None
+
+    @staticmethod
+    def _precondition_failed(exc: Exception) -> bool:
+        from botocore.exceptions import ClientError
+
+        if not isinstance(exc, ClientError):
+            return False
+        status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
+        code = str(exc.response.get("Error", {}).get("Code", ""))
+        return status in (409, 412) or code in ("PreconditionFailed", "ConditionalRequestConflict")
+
+    # -- reads -------------------------------------------------------------------------------
+    def read(self, name: str) -> bytes:
+        with self._call("get", name):
+            resp = self.client.get_object(Bucket=self.bucket, Key=self.key(name), Range=f"bytes=0-{self.range_bytes - 1}")
+            first = resp["Body"].read()
+        total = _total_from_range(resp.get("ContentRange"), len(first))
+        if total <= len(first):
+            return first
+        # a large object: the rest in parallel ranged GETs
+        offsets = range(len(first), total, self.range_bytes)
+        parts = list(self._pool.map(lambda off: self.read_range(name, off, min(self.range_bytes, total - off)), offsets))
+        return b"".join([first, *parts])
+
+    def read_range(self, name: str, offset: int, length: int) -> bytes:
+        if length <= 0:
+            return b""
+        with self._call("get", name):
+            resp = self.client.get_object(Bucket=self.bucket, Key=self.key(name), Range=f"bytes={offset}-{offset + length - 1}")
+            return resp["Body"].read()
+
+    def read_into(self, name: str, region: memoryview) -> tuple[ReadBuffer, int]:
+        with self._call("get", name):
+            resp = self.client.get_object(Bucket=self.bucket, Key=self.key(name))
+            size = int(resp.get("ContentLength", -1))
+            body = resp["Body"]
+            if size < 0 or size > len(region):
+                data = body.read()
+                return data, len(data)
+            raw = body._raw_stream  # urllib3 response: readinto avoids a copy
+            n = 0
+            while n < size:
+                got = raw.readinto(region[n:size])
+                if not got:
+                    break
+                n += got
+            return region[:n], n
+
+    def stat(self, name: str) -> ObjectInfo | None:
+        try:
+            with self._call("head", name):
+                h = self.client.head_object(Bucket=self.bucket, Key=self.key(name))
+        except ObjectMissing:
+            return None
+        return ObjectInfo(name, int(h["ContentLength"]), h["LastModified"].timestamp(), h.get("ETag"))
+
+    def list(self, prefix: str) -> Iterator[ObjectInfo]:
+        paginator = self.client.get_paginator("list_objects_v2")
+        with self._call("list", prefix):
+            pages = list(paginator.paginate(Bucket=self.bucket, Prefix=self.key(prefix)))
+        for page in pages:
+            for obj in page.get("Contents", ()):
+                yield ObjectInfo(obj["Key"][len(self.prefix) :], int(obj["Size"]), obj["LastModified"].timestamp(), obj.get("ETag"))
+
+    # -- writes ------------------------------------------------------------------------------
+    def write(self, name: str, data: Buffer | Iterable[Buffer], *, create_only: bool = False, batch: bool = False) -> bool:
+        body = data if isinstance(data, (bytes, bytearray, memoryview)) else b"".join(bytes(p) for p in data)
+        body = bytes(body) if not isinstance(body, bytes) else body
+        extra = {"IfNoneMatch": "*"} if create_only else {}
+        try:
+            with self._call("put", name):
+                try:
+                    if len(body) > self.multipart_threshold:
+                        self._multipart(name, body, extra)
+                    else:
+                        self.client.put_object(Bucket=self.bucket, Key=self.key(name), Body=body, **extra)
+                except Exception as exc:
+                    if create_only and self._precondition_failed(exc):
+                        return False
+                    raise
+        except ObjectMissing:
+            raise StoreError("io", f"s3 put {self.location}/{name}: bucket missing") from None
+        return True
+
+    def _multipart(self, name: str, body: bytes, extra: dict) -> None:
+        key = self.key(name)
+        upload = self.client.create_multipart_upload(Bucket=self.bucket, Key=key)["UploadId"]
+        try:
+            offsets = list(range(0, len(body), self.part_bytes))
+
+            def part(i_off: tuple[int, int]) -> dict:
+                i, off = i_off
+                r = self.client.upload_part(Bucket=self.bucket, Key=key, UploadId=upload, PartNumber=i + 1, Body=body[off : off + self.part_bytes])
+                return {"PartNumber": i + 1, "ETag": r["ETag"]}
+
+            parts = list(self._pool.map(part, enumerate(offsets)))
+            self.client.complete_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload, MultipartUpload={"Parts": parts}, **extra)
+        except BaseException:
+            try:
+                self.client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload)
+            except Exception:
+                pass  # gc's sweep_incomplete removes it later
+            raise
+
+    def delete(self, name: str, *, if_version: str | None = None, batch: bool = False) -> bool:
+        extra = {"IfMatch": if_version} if if_version is not None else {}
+        try:
+            with self._call("delete", name):
+                try:
+                    self.client.delete_object(Bucket=self.bucket, Key=self.key(name), **extra)
+                except Exception as exc:
+                    if if_version is not None and self._precondition_failed(exc):
+                        return False
+                    raise
+        except ObjectMissing:
+            return False
+        return True
+
+    def read_versioned(self, name: str) -> tuple[bytes, str] | None:
+        try:
+            with self._call("get", name):
+                resp = self.client.get_object(Bucket=self.bucket, Key=self.key(name))
+                return resp["Body"].read(), resp["ETag"]
+        except ObjectMissing:
+            return None
+
+    def write_if(self, name: str, data: bytes, version: str | None) -> bool:
+        extra = {"IfNoneMatch": "*"} if version is None else {"IfMatch": version}
+        try:
+            with self._call("put", name):
+                try:
+                    self.client.put_object(Bucket=self.bucket, Key=self.key(name), Body=bytes(data), **extra)
+                except Exception as exc:
+                    if self._precondition_failed(exc):
+                        return False
+                    raise
+        except ObjectMissing:
+            return False  # If-Match on an object that is gone
+        return True
+
+    # -- leases ------------------------------------------------------------------------------
+    @contextmanager
+    def lease(self, purpose: str, *, protects: Sequence[str] = ()) -> Iterator[Lease]:
+        held = _S3Lease(self, purpose, protects)
+        try:
+            yield held
+        finally:
+            held.release()
+
+    def protected(self) -> set[str]:
+        out: set[str] = set()
+        now = self.now()
+        for info in list(self.list("leases/")):
+            try:
+                raw = json.loads(self.read(info.name))
+                ttl = float(raw.get("ttl_s", self.lease_ttl_s))
+            except (FileNotFoundError, ValueError, TypeError):
+                continue
+            if now - info.mtime > 2 * ttl:
+                self.delete(info.name)  # its holder is gone
+                continue
+            out.update(str(m) for m in raw.get("protects", ()))
+        return out
+
+    def now(self) -> float:
+        return time.time()
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def setup(self) -> None:
+        from botocore.exceptions import ClientError
+
+        try:
+            with self._call("head-bucket"):
+                self.client.head_bucket(Bucket=self.bucket)
+        except ObjectMissing:
+            with self._call("create-bucket"):
+                try:
+                    self.client.create_bucket(Bucket=self.bucket)
+                except ClientError as exc:
+                    if "BucketAlready" not in str(exc.response.get("Error", {}).get("Code", "")):
+                        raise
+
+    def sweep_incomplete(self, older_than: float) -> int:
+        n = 0
+        with self._call("list-uploads"):
+            resp = self.client.list_multipart_uploads(Bucket=self.bucket, Prefix=self.prefix)
+        for up in resp.get("Uploads", ()):
+            if up["Initiated"].timestamp() < older_than:
+                with self._call("abort-upload", up["Key"]):
+                    self.client.abort_multipart_upload(Bucket=self.bucket, Key=up["Key"], UploadId=up["UploadId"])
+                n += 1
+        return n
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False)
+
+
+def _total_from_range(content_range: str | None, got: int) -> int:
+    """The object size from a ``Content-Range: bytes a-b/total`` header."""
+    if content_range and "/" in content_range:
+        total = content_range.rpartition("/")[2]
+        if total.isdigit():
+            return int(total)
+    return got
+
+
+def make_client(*, endpoint: str | None = None, credentials_file: str | None = None, timeout_s: float = 30.0, attempts: int = 3) -> Any:
+    """A boto3 S3 client: path-style addressing, bounded retries and timeouts, no extra
+    checksums (kvpack verifies SHA-256 digests itself). Credentials from the file, else the
+    AWS environment variables (boto3's own chain)."""
+    import boto3
+    from botocore.config import Config
+
+    endpoint = endpoint or os.environ.get("KVPACK_S3_ENDPOINT") or None
+    credentials_file = credentials_file or os.environ.get("KVPACK_S3_CREDENTIALS") or None
+    creds: dict[str, str] = load_credentials(credentials_file) if credentials_file else {}
+    config = Config(
+        s3={"addressing_style": "path"},
+        retries={"max_attempts": attempts, "mode": "standard"},
+        connect_timeout=min(10.0, timeout_s),
+        read_timeout=timeout_s,
+        max_pool_connections=32,
+        request_checksum_calculation="when_required",
+        response_checksum_validation="when_required",
+    )
+    return boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        region_name=os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1",
+        aws_access_key_id=creds.get("access_key_id"),
+        aws_secret_access_key=creds.get("secret_access_key"),
+        aws_session_token=creds.get("session_token"),
+        config=config,
+    )
