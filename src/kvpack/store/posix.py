@@ -17,6 +17,7 @@ import errno
 import fcntl
 import hashlib
 import os
+import stat
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -76,18 +77,24 @@ class PosixEnv(StorageEnv):
         return ObjectInfo(name, st.st_size, st.st_mtime)
 
     def list(self, prefix: str) -> Iterator[ObjectInfo]:
+        """Every file whose name starts with ``prefix``, walking into subdirectories."""
         directory, _, start = prefix.rpartition("/")
         try:
-            names = self.ops.listdir(self._p(directory) if directory else self.root)
-        except FileNotFoundError:
+            entries = self.ops.listdir(self._p(directory) if directory else self.root)
+        except (FileNotFoundError, NotADirectoryError):
             return
-        for entry in sorted(names):
+        for entry in sorted(entries):
             if not entry.startswith(start):
                 continue
             name = f"{directory}/{entry}" if directory else entry
-            info = self.stat(name)
-            if info is not None:  # removed meanwhile
-                yield info
+            try:
+                st = self.ops.stat(self._p(name))
+            except FileNotFoundError:
+                continue  # removed meanwhile
+            if stat.S_ISDIR(st.st_mode):
+                yield from self.list(name + "/")
+            elif stat.S_ISREG(st.st_mode):
+                yield ObjectInfo(name, st.st_size, st.st_mtime)
 
     # -- writes ------------------------------------------------------------------------------
     def write(self, name: str, data: Buffer | Iterable[Buffer], *, create_only: bool = False, batch: bool = False) -> bool:
