@@ -41,6 +41,11 @@ def main(argv: list[str] | None = None) -> int:
     except KvpackError as exc:
         print(f"refused {exc.category}: {exc.message}", file=sys.stderr)
         return 1
+    except OSError as exc:
+        # a full disk (ENOSPC), a failing one (EIO), a vanished path: one line, never a trace
+        where = f" ({exc.filename})" if getattr(exc, "filename", None) else ""
+        print(f"refused io: {exc.strerror or exc}{where}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
     return int(rc or 0)

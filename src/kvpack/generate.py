@@ -31,6 +31,9 @@ class GenerateResult:
     save_s: float
     saved_cuts: list[int] = field(default_factory=list)
     manifest_id: str | None = None
+    #: receipts of stored cuts that failed verification: quarantined, treated as a miss and
+    #: recomputed (then republished by this run's save)
+    quarantined: list[dict] = field(default_factory=list)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -66,11 +69,13 @@ def generate(engine, store: PackStore | None, prompt_tokens: list[int], *, max_n
     session = engine.new_session()
     reused = reused_bytes = 0
     restore_s = 0.0
+    quarantined: list[dict] = []
     if store is not None:
-        hit = store.find_deepest(prompt_tokens, engine.layout, engine.identity.ids())
-        if hit is not None:
-            report = store.restore(hit, session, prompt_tokens)
-            reused, reused_bytes, restore_s = hit.cut, report.bytes_verified, report.seconds
+        # a stored cut that fails verification is a miss (quarantined, recomputed below)
+        found = store.lookup_restore(prompt_tokens, session, layout=engine.layout, ids=engine.identity.ids())
+        quarantined = found.quarantined
+        if found.hit is not None and found.report is not None:
+            reused, reused_bytes, restore_s = found.hit.cut, found.report.bytes_verified, found.report.seconds
     checkpoints: dict[int, bytes] = {}
     t_prefill = time.perf_counter()
     rest = prompt_tokens[session.position :]
@@ -124,4 +129,5 @@ def generate(engine, store: PackStore | None, prompt_tokens: list[int], *, max_n
         save_s=save_s,
         saved_cuts=saved,
         manifest_id=manifest_id,
+        quarantined=quarantined,
     )

@@ -1,6 +1,9 @@
-"""``kvpack store init|save|ls|show|verify|gc`` and ``kvpack generate``.
+"""``kvpack store init|save|ls|show|verify|repair|forget|gc`` and ``kvpack generate``.
 
-Exit codes: 0 ok, 1 refused or problems found, 2 usage errors.
+A store is a directory or ``s3://bucket/prefix`` (with ``--endpoint URL``; credentials from
+the AWS environment variables or ``--s3-credentials FILE``, a 0600 file). Exit codes: 0 ok,
+1 refused or problems found, 2 usage errors. Failures print one line on stderr
+(``refused <category>: <message>``), a full disk (ENOSPC) or an I/O error (EIO) included.
 """
 
 from __future__ import annotations
@@ -10,68 +13,92 @@ import json
 import sys
 
 
+def _location_args(q: argparse.ArgumentParser, *, key: bool = True) -> None:
+    q.add_argument("--endpoint", help="S3 endpoint URL for s3:// stores (or KVPACK_S3_ENDPOINT)")
+    q.add_argument("--s3-credentials", help="0600 file with the S3 access key id and secret (default: the AWS environment variables)")
+    if key:
+        q.add_argument("--root-key-file", help="the 32-byte root key file (required for s3:// stores)")
+
+
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("store", help="the filesystem pack store")
+    p = sub.add_parser("store", help="the pack store (a directory or s3://bucket/prefix)")
     ss = p.add_subparsers(dest="store_command", metavar="ACTION")
     ss.required = True
 
-    q = ss.add_parser("init", help="create a store directory")
-    q.add_argument("dir")
+    q = ss.add_parser("init", help="create a store (a directory or s3://bucket/prefix)")
+    q.add_argument("dir", metavar="STORE")
     q.add_argument("--tenant", default="default")
     q.add_argument("--encrypt", action="store_true", help="encrypt chunks and manifests at rest (ChaCha20-Poly1305)")
     q.add_argument("--root-key-file", help="keep the 32-byte root here (created 0600 if missing) instead of DIR/root.key")
     q.add_argument("--chunk-bytes", type=int, default=4 * 1024 * 1024)
+    _location_args(q, key=False)
     q.set_defaults(func=cmd_init)
 
     q = ss.add_parser("save", help="prefill a prompt with the bundled model and save its cut and checkpoints")
-    q.add_argument("dir")
+    q.add_argument("dir", metavar="STORE")
+    _location_args(q)
     q.add_argument("--prompt", required=True)
     q.add_argument("--raw", action="store_true", help="tokenize the prompt as is (no chat template)")
     q.add_argument("--threads", type=int)
     q.add_argument("--json", action="store_true")
     q.set_defaults(func=cmd_save)
 
-    for name, func, helptext in (("ls", cmd_ls, "list committed cuts"), ("gc", cmd_gc, "remove unreferenced objects")):
+    for name, func, helptext in (
+        ("ls", cmd_ls, "list committed cuts"),
+        ("gc", cmd_gc, "remove unreferenced objects"),
+        ("repair", cmd_repair, "quarantine every cut that fails verify --read-data (with receipts) and drop malformed index entries"),
+    ):
         q = ss.add_parser(name, help=helptext)
-        q.add_argument("dir")
+        q.add_argument("dir", metavar="STORE")
         q.add_argument("--json", action="store_true")
-        q.add_argument("--root-key-file")
+        _location_args(q)
         q.set_defaults(func=func)
 
     q = ss.add_parser("show", help="describe one cut (its pack chain, states, chunks)")
-    q.add_argument("dir")
+    q.add_argument("dir", metavar="STORE")
     q.add_argument("manifest_id")
-    q.add_argument("--root-key-file")
+    _location_args(q)
     q.set_defaults(func=cmd_show)
 
-    q = ss.add_parser("verify", help="check every committed cut (packs; with --read-data every chunk byte)")
-    q.add_argument("dir")
+    q = ss.add_parser("forget", help="remove the index entries of one cut (its objects become garbage for gc)")
+    q.add_argument("dir", metavar="STORE")
+    q.add_argument("manifest_id", metavar="CUT")
+    q.add_argument("--json", action="store_true")
+    _location_args(q)
+    q.set_defaults(func=cmd_forget)
+
+    q = ss.add_parser("verify", help="check every committed cut (packs, index bindings; with --read-data every chunk byte)")
+    q.add_argument("dir", metavar="STORE")
     q.add_argument("--read-data", action="store_true")
     q.add_argument("--json", action="store_true")
-    q.add_argument("--root-key-file")
+    _location_args(q)
     q.set_defaults(func=cmd_verify)
 
     p = sub.add_parser("generate", help="generate with the bundled model, reusing the deepest stored prefix")
-    p.add_argument("--store", required=True, help="store directory (created if missing)")
+    p.add_argument("--store", required=True, help="store directory (created if missing) or s3://bucket/prefix")
     p.add_argument("--prompt", required=True)
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--raw", action="store_true", help="tokenize the prompt as is (no chat template)")
     p.add_argument("--threads", type=int, help="torch threads (part of the engine identity)")
     p.add_argument("--no-save", action="store_true")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    _location_args(p)
     p.set_defaults(func=cmd_generate)
 
 
 def _open(args):
     from ..store import PackStore
+    from ..store.location import store_kwargs
 
-    return PackStore.open(args.dir, root_key_file=getattr(args, "root_key_file", None))
+    return PackStore.open(args.dir, **store_kwargs(args))
 
 
 def cmd_init(args) -> int:
     from ..store import PackStore
+    from ..store.location import store_kwargs
 
-    store = PackStore.init(args.dir, tenant=args.tenant, encrypted=args.encrypt, root_key_file=args.root_key_file, chunk_bytes=args.chunk_bytes)
+    kw = store_kwargs(args)
+    store = PackStore.init(args.dir, tenant=args.tenant, encrypted=args.encrypt, chunk_bytes=args.chunk_bytes, **kw)
     print(f"initialised store {store.path} (tenant {store.tenant_name!r}, epoch {store.epoch}, {'encrypted' if store.encrypted else 'plain'})")
     return 0
 
@@ -85,20 +112,21 @@ def _engine(threads):
         return TransformersEngine(load_smollm2(), threads=threads)
 
 
-def _open_or_init(path: str):
-    import os
-
+def _open_or_init(args):
     from ..store import PackStore
+    from ..store.location import make_env, store_kwargs
 
-    if not os.path.exists(os.path.join(path, "store.json")):
-        return PackStore.init(path)
-    return PackStore.open(path)
+    kw = store_kwargs(args)
+    env = make_env(args.store, endpoint=kw["endpoint"], credentials_file=kw["credentials_file"])
+    if not env.exists("store.json"):
+        return PackStore.init(env, root_key_file=kw["root_key_file"])
+    return PackStore.open(env, root_key_file=kw["root_key_file"])
 
 
 def cmd_generate(args) -> int:
     from ..generate import chat_tokens, generate
 
-    store = _open_or_init(args.store)
+    store = _open_or_init(args)
     engine = _engine(args.threads)
     tokens = chat_tokens(engine, args.prompt, chat=not args.raw)
     result = generate(engine, store, tokens, max_new_tokens=args.max_new_tokens, save=not args.no_save)
@@ -106,6 +134,8 @@ def cmd_generate(args) -> int:
         print(json.dumps(result.as_dict()))
         return 0
     print(result.text)
+    for receipt in result.quarantined:
+        print(f"-- quarantined a stored cut that failed verification ({receipt['problems'][0][:160]}); recomputed it", file=sys.stderr)
     print(
         f"-- reused {result.reused_tokens} tokens ({result.reused_bytes / 1e6:.1f} MB verified in {result.restore_s:.3f} s), "
         f"prefilled {result.prefilled_tokens} tokens in {result.prefill_s:.3f} s; TTFT {result.ttft_s:.3f} s; "
@@ -166,6 +196,30 @@ def cmd_verify(args) -> int:
             f"{'ok' if report['ok'] else 'FAILED'}: {report['cuts']} cuts, {report['chunks_checked']} chunks {'read and verified' if args.read_data else 'checked'}"
         )
     return 0 if report["ok"] else 1
+
+
+def cmd_repair(args) -> int:
+    report = _open(args).repair()
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    for receipt in report["receipts"]:
+        print(f"quarantined {receipt['manifest_id'] or receipt['node_id']}: {'; '.join(receipt['problems'])[:300]} (receipt {receipt['receipt']})")
+    print(f"checked {report['cuts_checked']} cuts, quarantined {report['quarantined']}")
+    return 0
+
+
+def cmd_forget(args) -> int:
+    try:
+        mid = bytes.fromhex(args.manifest_id)
+        if len(mid) != 32:
+            raise ValueError
+    except ValueError:
+        print("error: CUT must be a manifest id (64 hex digits)", file=sys.stderr)
+        return 2
+    out = _open(args).forget(mid)
+    print(json.dumps(out) if args.json else f"forgot cut {out['manifest_id']} ({out['index_entries_removed']} index entries removed)")
+    return 0
 
 
 def cmd_gc(args) -> int:

@@ -31,6 +31,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from ..errors import StoreError
 from ..handoff.delta import ReuseAction, classify_reuse
 from ..handoff.schedule import PREFIX_CUT_ALIGN
 
@@ -182,6 +183,15 @@ class Plan:
         return {"action": self.action.value, "tier": self.tier, "matched": self.matched, "prefix_cut": self.prefix_cut, "lookup_s": round(self.lookup_s, 6)}
 
 
+class DurableMiss(StoreError):
+    """The durable tier's cut failed verification: it was quarantined (``receipt``) and is a
+    miss. The caller plans again (the store no longer offers it) and recomputes."""
+
+    def __init__(self, receipt: dict | None) -> None:
+        super().__init__("miss", "stored cut failed verification and was quarantined")
+        self.receipt = receipt
+
+
 class Ladder:
     """Decode-node reuse ladder over (live, resident, durable); remote is the fallback."""
 
@@ -233,11 +243,20 @@ class Ladder:
         session first; other tiers already are one."""
         if held.tier != "durable":
             return held.source
+        if isinstance(held.source, tuple) and held.source[0] == "restored":
+            return held.source[1]  # already restored (verified) by the receiver
         t0 = time.perf_counter()
         scratch = self.engine.new_session()
         # a durable hit's source is the (hit, tokens) pair its restore needs (see ``plan``)
         assert isinstance(held.source, tuple)
         hit, hit_tokens = held.source
-        self.store.restore(hit, scratch, list(hit_tokens))
+        self.restore_durable(hit, scratch, list(hit_tokens))
         held.restore_s = time.perf_counter() - t0
         return scratch
+
+    def restore_durable(self, hit, session, tokens) -> None:
+        """Restore a durable hit verified; a cut that fails verification is quarantined by
+        the store and raises :class:`DurableMiss` (the live session is untouched)."""
+        report, receipt = self.store.restore_healing(hit, session, tokens)
+        if report is None:
+            raise DurableMiss(receipt)

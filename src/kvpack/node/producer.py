@@ -287,8 +287,9 @@ class ProducerNode:
         if self.store is not None:
             hit = self.store.find_deepest(prompt[:limit], self.engine.layout, self.engine.identity.ids())
         if hit is not None and hit.cut % 256 == 0 and hit.cut > best_res:
-            self.store.restore(hit, session, prompt[: hit.cut])
-            return hit.cut, "durable"
+            # a cut failing verification is quarantined by the store and is a miss here
+            if self.store.restore_healing(hit, session, prompt[: hit.cut])[0] is not None:
+                return hit.cut, "durable"
         if best_res:
             assert held is not None  # best_res > 0 only from a resident hit
             install = session.begin_install(best_res, prompt[:best_res], self.engine.identity)

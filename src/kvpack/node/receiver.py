@@ -54,7 +54,7 @@ from ..security.ledger import ReplayLedger
 from ..security.probe import ProbeResult, check_ledger_volume
 from ..security.tls import client_context, connect, listen, server_context, wrap_accepted
 from .common import ReceiptWriter, close_listener, greedy, logits_bytes, now_ms, read_control, readable, verdict_of
-from .ladder import HeldPrefix, Ladder, Plan, ResidentRadix, RowsSource
+from .ladder import DurableMiss, HeldPrefix, Ladder, Plan, ResidentRadix, RowsSource
 from .metrics import NodeMetrics
 from .wire import TileGeometry, copy_prefix, held_digest, scatter_tile, span_layout, wire_identity
 
@@ -590,6 +590,7 @@ class ReceiverNode:
             plan = self.ladder.plan(tokens, self.session, self.live_prefilled)
             result: dict = {"prompt_tokens": len(tokens), "plan": plan.to_json(), "transfer": None}
             try:
+                plan = self._settle_durable(plan, tokens, result)
                 if plan.action is ReuseAction.SERVE_LOCAL:
                     self._serve_local(plan, tokens)
                 else:
@@ -650,14 +651,31 @@ class ReceiverNode:
             self._last_logit_rows = rows
             return result
 
+    def _settle_durable(self, plan: Plan, tokens: list[int], result: dict) -> Plan:
+        """Restore a durable plan's cut up front: a cut failing verification is quarantined
+        and is a miss, so the ladder plans again (the store heals; the request still serves)."""
+        for _attempt in range(4):
+            if plan.held is None or plan.held.tier != "durable" or plan.action is ReuseAction.FULL_TRANSFER:
+                return plan
+            try:
+                if plan.action is ReuseAction.SERVE_LOCAL and plan.held.matched == len(tokens):
+                    hit, hit_tokens = plan.held.source
+                    self.ladder.restore_durable(hit, self.session, list(hit_tokens))  # verified, with its logits
+                    plan.held.source = ("restored", self.session)
+                else:
+                    plan.held.source = ("restored", self.ladder.materialize(plan.held))
+                return plan
+            except DurableMiss as miss:
+                result.setdefault("quarantined", []).append(miss.receipt)
+                plan = self.ladder.plan(tokens, self.session, self.live_prefilled)
+                result["plan"] = plan.to_json()
+        return plan
+
     def _serve_local(self, plan: Plan, tokens: list[int]) -> None:
         held = plan.held
         assert held is not None  # SERVE_LOCAL is only planned from a held prefix
         if held.tier == "durable" and held.matched == len(tokens):
-            assert isinstance(held.source, tuple)  # a durable hit's source is (hit, tokens)
-            hit, hit_tokens = held.source
-            self.store.restore(hit, self.session, list(hit_tokens))  # verified, with its logits
-            return
+            return  # restored into the live session by _settle_durable
         source = self.ladder.materialize(held)
         cut = len(tokens) - 1
         install = self.session.begin_install(cut, tokens[:cut], self.engine.identity)

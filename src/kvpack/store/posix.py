@@ -51,29 +51,35 @@ class PosixEnv(StorageEnv):
         return os.path.join(self.root, *name.split("/"))
 
     # -- reads -------------------------------------------------------------------------------
-    def read(self, name: str) -> bytes:
+    @contextmanager
+    def _reading(self, name: str) -> Iterator[None]:
+        """A missing file is ObjectMissing; any other read failure (EIO) one StoreError("io")."""
         try:
-            return self.ops.read_file(self._p(name))
+            yield
         except FileNotFoundError:
             raise ObjectMissing(errno.ENOENT, "no such object", name) from None
+        except OSError as exc:
+            raise StoreError("io", f"read {self._p(name)}: {exc.strerror or exc}") from None
+
+    def read(self, name: str) -> bytes:
+        with self._reading(name):
+            return self.ops.read_file(self._p(name))
 
     def read_range(self, name: str, offset: int, length: int) -> bytes:
-        try:
+        with self._reading(name):
             return self.ops.read_range(self._p(name), offset, length)
-        except FileNotFoundError:
-            raise ObjectMissing(errno.ENOENT, "no such object", name) from None
 
     def read_into(self, name: str, region: memoryview) -> tuple[ReadBuffer, int]:
-        try:
+        with self._reading(name):
             return self.ops.readinto(self._p(name), region)
-        except FileNotFoundError:
-            raise ObjectMissing(errno.ENOENT, "no such object", name) from None
 
     def stat(self, name: str) -> ObjectInfo | None:
         try:
             st = self.ops.stat(self._p(name))
         except FileNotFoundError:
             return None
+        except OSError as exc:
+            raise StoreError("io", f"stat {self._p(name)}: {exc.strerror or exc}") from None
         return ObjectInfo(name, st.st_size, st.st_mtime)
 
     def list(self, prefix: str) -> Iterator[ObjectInfo]:
@@ -83,6 +89,8 @@ class PosixEnv(StorageEnv):
             entries = self.ops.listdir(self._p(directory) if directory else self.root)
         except (FileNotFoundError, NotADirectoryError):
             return
+        except OSError as exc:
+            raise StoreError("io", f"list {self._p(directory)}: {exc.strerror or exc}") from None
         for entry in sorted(entries):
             if not entry.startswith(start):
                 continue
