@@ -11,7 +11,7 @@ import pytest
 
 from kvpack.errors import EngineError, StoreError
 
-from .helpers import LAYOUT, TOKENS, engine, flip, names, session_with
+from .helpers import LAYOUT, TOKENS, engine, names, session_with
 
 
 @pytest.mark.parametrize("encrypted", [False, True])
