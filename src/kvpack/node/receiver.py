@@ -659,6 +659,7 @@ class ReceiverNode:
                 return plan
             try:
                 if plan.action is ReuseAction.SERVE_LOCAL and plan.held.matched == len(tokens):
+                    assert isinstance(plan.held.source, tuple)  # a durable hit's source is (hit, tokens)
                     hit, hit_tokens = plan.held.source
                     self.ladder.restore_durable(hit, self.session, list(hit_tokens))  # verified, with its logits
                     plan.held.source = ("restored", self.session)
