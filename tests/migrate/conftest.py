@@ -40,7 +40,7 @@ IDENTITY = {
     },
     "target_cache_identity_sha256": "6" * 64,
 }
-FINAL = {"completed", "ambiguous", "destination_committed_source_retained", "source_restored", "source_restored_remote_retained"}
+FINAL = {"completed", "ambiguous", "conflict", "destination_committed_source_retained", "source_restored", "source_restored_remote_retained"}
 
 
 def free_port() -> int:

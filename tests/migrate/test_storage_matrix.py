@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import hashlib
 import os
+from dataclasses import replace
 
 import pytest
 
 from kvpack.errors import MigrationError
+from kvpack.migrate import machine as M
 from kvpack.migrate import storage_tier as ST
 from kvpack.migrate.storage_tier import StorageDestination, load_storage_node
 
@@ -207,6 +209,11 @@ def test_storage_row_remote_delete_fails_after_move_restore(nodes, sshd):
 # -- the pinned commit fragment, interrupted at every step and re-run ----------------------------
 
 
+def record(tid: str, size: int, sha256: str) -> M.TransferRecord:
+    """An outgoing storage-tier record as the orchestrator would hand it to the tier."""
+    return replace(M.new_outgoing(tid, "sess-direct", "copy", "storage", "st-a", now=0.0), bytes=size, sha256=sha256)
+
+
 @pytest.fixture
 def direct(sshd, cluster, tmp_path):
     node = load_storage_node(str(cluster), "st-a")
@@ -221,14 +228,14 @@ def test_remote_commit_script_interrupted_at_every_step_and_rerun(direct, sshd):
     disk directly: the upload is covered by the rows above, the fragment is what is tested."""
     payload = os.urandom(300_000)
     bundles = sshd.lane / "session-bundles"
-    direct.prepare({"id": "intr", "bytes": 1, "sha256": ""})
+    direct.prepare(record("intr", 1, ""))
     for k in range(len(ST.COMMIT_STEPS) + 1):
-        rec = {"id": f"intr-{k}", "bytes": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
+        rec = record(f"intr-{k}", len(payload), hashlib.sha256(payload).hexdigest())
         (bundles / f".intr-{k}.tmp").write_bytes(payload)
         killed = "\n".join((*ST.COMMIT_STEPS[:k], "kill -KILL $$")).format(**direct.vars(rec))
         with pytest.raises(MigrationError, match="ssh exit 255"):
             direct.run(killed, what="interrupted commit")
-        status, _ = direct.lookup(rec["id"], rec)
+        status, _ = direct.lookup(rec)
         assert status == ("committed" if k > MV_STEP else "uploaded"), (k, status)
         assert direct.commit(rec) == "committed"  # re-run: completes, or re-verifies and exits clean
         assert direct.commit(rec) == "committed"  # and again (idempotent)
@@ -240,7 +247,7 @@ def test_remote_commit_script_interrupted_at_every_step_and_rerun(direct, sshd):
 def test_remote_commit_refuses_other_bytes(direct, sshd, tmp_path):
     payload = b"x" * 5000
     (tmp_path / "p").write_bytes(payload)
-    rec = {"id": "bad-final", "bytes": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
+    rec = record("bad-final", len(payload), hashlib.sha256(payload).hexdigest())
     direct.prepare(rec)
     direct.upload(rec, str(tmp_path / "p"), 0)
     assert direct.commit(rec) == "committed"
@@ -248,9 +255,9 @@ def test_remote_commit_refuses_other_bytes(direct, sshd, tmp_path):
     with pytest.raises(MigrationError, match="exit 4"):
         direct.commit(rec)
     with pytest.raises(MigrationError, match="other bytes"):
-        direct.lookup("bad-final", rec)
+        direct.lookup(rec)
     # a temp file with wrong content never becomes final
-    rec2 = {"id": "bad-tmp", "bytes": len(payload), "sha256": "0" * 64}
+    rec2 = record("bad-tmp", len(payload), "0" * 64)
     direct.prepare(rec2)
     direct.upload(rec2, str(tmp_path / "p"), 0)
     with pytest.raises(MigrationError, match="exit 5"):

@@ -16,7 +16,7 @@ import json
 import sys
 import time
 
-FINAL = {"completed", "ambiguous", "destination_committed_source_retained", "source_restored", "source_restored_remote_retained"}
+FINAL = {"completed", "ambiguous", "conflict", "destination_committed_source_retained", "source_restored", "source_restored_remote_retained"}
 SUCCESS = {"completed", "source_restored"}
 
 

@@ -15,8 +15,14 @@
       "peer_ca": "tls/ca.crt",                # trust anchor for destinations (default: tls.ca)
       "cluster_dir": "../cluster",            # enrollment dir: storage nodes and their SSH pins
       "ssh_identity_file": "ssh/id_ed25519",  # client key for storage nodes (0600)
-      "engine": {"kind": "arrays", "layers": 4, "kv_heads": 4, "head_dim": 64, "vocab": 64}
+      "engine": {"kind": "arrays", "layers": 4, "kv_heads": 4, "head_dim": 64, "vocab": 64},
                                               # or {"kind": "smollm2", "threads": 2}
+      "checkpoint_bytes": 4194304,            # upload durable-offset checkpoints (resume.py):
+      "checkpoint_interval_s": 1.0,           #   every N bytes or every T seconds, first wins
+      "api_limits": {"tls_handshake_timeout_s": 10, "header_timeout_s": 10,
+                     "body_idle_timeout_s": 30, "json_body_timeout_s": 30,
+                     "max_connections": 256, "max_connections_per_client": 32}
+                                              # optional, each key optional (node/api_front.py)
     }
 
 Unknown keys are refused, so a typo cannot silently disable a check.
@@ -25,11 +31,11 @@ Unknown keys are refused, so a typo cannot silently disable a check.
 from __future__ import annotations
 
 import ipaddress
-import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import Any
 
+from .. import strictjson
 from ..errors import MigrationError
 
 _KEYS = {
@@ -45,7 +51,35 @@ _KEYS = {
     "engine",
     "upload_chunk_bytes",
     "checkpoint_bytes",
+    "checkpoint_interval_s",
+    "api_limits",
 }
+
+
+@dataclass(frozen=True)
+class ApiLimits:
+    """Connection limits of the node API, enforced by :mod:`kvpack.node.api_front`."""
+
+    tls_handshake_timeout_s: float = 10.0
+    header_timeout_s: float = 10.0
+    body_idle_timeout_s: float = 30.0
+    json_body_timeout_s: float = 30.0
+    max_connections: int = 256
+    max_connections_per_client: int = 32
+
+
+def _api_limits(raw: Any, path: str) -> ApiLimits:
+    if raw is None:
+        return ApiLimits()
+    names = {f.name: f.type for f in fields(ApiLimits)}
+    if not isinstance(raw, dict) or set(raw) - set(names):
+        raise MigrationError("usage", f"config {path}: api_limits must be an object with keys {sorted(names)}")
+    for key, value in raw.items():
+        whole = key.startswith("max_")
+        ok = type(value) is int if whole else type(value) in (int, float)
+        if not ok or not 0 < value <= (1 << 20 if whole else 86400):
+            raise MigrationError("usage", f"config {path}: api_limits.{key} must be a positive {'integer' if whole else 'number of seconds'}")
+    return ApiLimits(**raw)
 
 
 @dataclass
@@ -64,6 +98,8 @@ class NodeConfig:
     engine: dict[str, Any]
     upload_chunk_bytes: int = 1024 * 1024
     checkpoint_bytes: int = 4 * 1024 * 1024
+    checkpoint_interval_s: float = 1.0
+    api_limits: ApiLimits = field(default_factory=ApiLimits)
 
     @property
     def base_url(self) -> str:
@@ -76,7 +112,7 @@ def load_config(path: str) -> NodeConfig:
     path = os.path.abspath(path)
     try:
         with open(path, "rb") as fh:
-            raw = json.loads(fh.read())
+            raw = strictjson.loads(fh.read())
     except OSError as exc:
         raise MigrationError("usage", f"cannot read config {path}: {exc.strerror}") from None
     except ValueError as exc:
@@ -131,6 +167,8 @@ def load_config(path: str) -> NodeConfig:
         engine=engine,
         upload_chunk_bytes=int(raw.get("upload_chunk_bytes", 1024 * 1024)),
         checkpoint_bytes=int(raw.get("checkpoint_bytes", 4 * 1024 * 1024)),
+        checkpoint_interval_s=float(raw.get("checkpoint_interval_s", 1.0)),
+        api_limits=_api_limits(raw.get("api_limits"), path),
     )
 
 

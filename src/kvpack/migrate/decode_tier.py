@@ -19,16 +19,18 @@ from __future__ import annotations
 
 import ssl
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Optional
 from urllib.parse import urlsplit
 
 from ..errors import MigrationError
 from . import failpoints
 from . import machine as M
+from .incoming import LAYOUT_ABI
+from .transfer import DestinationConflict
 
 INTERNAL = "/__kvpack/v1/session-transfers"
 SOURCE_LABEL = "kvpack-decode-source"
-LAYOUT_ABI = "kvpack-kv-layout-v1"
+__all__ = ["LAYOUT_ABI", "DecodeDestination", "client_ssl_context", "validate_decode_destination"]
 
 
 def validate_decode_destination(value: str) -> str:
@@ -58,7 +60,15 @@ def client_ssl_context(ca: str | None) -> ssl.SSLContext:
     return ctx
 
 
-def _error_text(resp) -> str:
+def _error_type(resp: Any) -> Optional[str]:
+    try:
+        kind = resp.json().get("error", {}).get("type")
+    except Exception:  # noqa: BLE001 - a body that is not the D.1 error object
+        return None
+    return kind if isinstance(kind, str) else None
+
+
+def _error_text(resp: Any) -> str:
     try:
         body = resp.json()
         err = body.get("error", {})
@@ -92,47 +102,57 @@ class DecodeDestination:
             raise MigrationError("transport", f"{method} {url}: {type(exc).__name__}: {exc}") from None
 
     @staticmethod
-    def _view(resp, what: str) -> dict[str, Any]:
+    def _view(resp: Any, what: str, *, final_conflict: bool = False) -> dict[str, Any]:
+        """The 200 body; a 409 ``conflict`` is final (:class:`DestinationConflict`) where the
+        route's conflicts are (prepare, commit), a retryable transport error elsewhere."""
         if resp.status_code == 409:
-            body = resp.json().get("error", {})
-            cat = "identity_mismatch" if body.get("type") == "identity_mismatch" else "conflict"
-            raise MigrationError(cat, f"{what}: {_error_text(resp)}")
+            kind = _error_type(resp)
+            if kind == "identity_mismatch":
+                raise MigrationError("identity_mismatch", f"{what}: {_error_text(resp)}")
+            if final_conflict and kind == "conflict":
+                raise DestinationConflict(f"{what}: {_error_text(resp)}")
+            raise MigrationError("transport" if not final_conflict else "conflict", f"{what}: {_error_text(resp)}")
         if resp.status_code != 200:
             raise MigrationError("transport", f"{what}: {_error_text(resp)}")
-        return resp.json()
+        body: dict[str, Any] = resp.json()
+        return body
 
     # -- the destination interface -------------------------------------------------------------------
-    def lookup(self, tid: str, rec: dict[str, Any] | None = None) -> tuple[str | None, int]:
+    def lookup(self, rec: M.TransferRecord) -> tuple[Optional[M.Status], int]:
+        tid = rec.id
         resp = self._call("GET", f"/v1/session-transfers/{tid}")
         if resp.status_code == 404:
             return None, 0
         view = self._view(resp, "status lookup")
         if view.get("direction") != "incoming":
             raise MigrationError("conflict", f"destination holds transfer {tid} as {view.get('direction')}")
-        status = view["status"]
+        try:
+            status = M.Status(view["status"])
+        except ValueError:
+            raise MigrationError("transport", f"destination reports unknown status {view['status']!r}") from None
         received = 0
         if status == M.PREPARED:
             r = self._call("GET", f"{INTERNAL}/{tid}/payload")
             received = int(self._view(r, "upload offset")["received"])
         return status, received
 
-    def prepare(self, rec: dict[str, Any], identity: dict[str, Any]) -> str:
+    def prepare(self, rec: M.TransferRecord, identity: dict[str, Optional[str]]) -> M.Status:
         body = {
-            "transfer_id": rec["id"],
-            "session_id": rec["session_id"],
+            "transfer_id": rec.id,
+            "session_id": rec.session_id,
             "source": SOURCE_LABEL,
-            "mode": rec["mode"],
+            "mode": rec.mode,
             "tier": "decode",
-            "bytes": rec["bytes"],
-            "sha256": rec["sha256"],
-            "transport_key": rec["transport_key"],
+            "bytes": rec.bytes,
+            "sha256": rec.sha256,
+            "transport_key": rec.transport_key,
             **identity,
         }
         resp = self._call("POST", f"{INTERNAL}/prepare", json=body)
-        return self._view(resp, "prepare")["status"]
+        return M.Status(self._view(resp, "prepare", final_conflict=True)["status"])
 
-    def upload(self, rec: dict[str, Any], path: str, offset: int, progress: Callable[[int], None] | None = None) -> None:
-        total = rec["bytes"]
+    def upload(self, rec: M.TransferRecord, path: str, offset: int, progress: Optional[Callable[[int], None]] = None) -> None:
+        total = rec.bytes
         kill_at = failpoints.byte_threshold("source.upload")
 
         def body() -> Iterator[bytes]:
@@ -153,14 +173,20 @@ class DecodeDestination:
         headers = {"content-type": "application/octet-stream", "content-length": str(total - offset)}
         if offset:
             headers["content-range"] = f"bytes {offset}-{total - 1}/{total}"
-        resp = self._call("PUT", f"{INTERNAL}/{rec['id']}/payload", content=body(), headers=headers)
+        resp = self._call("PUT", f"{INTERNAL}/{rec.id}/payload", content=body(), headers=headers)
         view = self._view(resp, "upload")
-        if view["status"] != M.UPLOADED:
+        if view["status"] != M.UPLOADED.value:
             raise MigrationError("transport", f"upload ended with destination status {view['status']}")
 
-    def commit(self, rec: dict[str, Any]) -> str:
-        resp = self._call("POST", f"{INTERNAL}/{rec['id']}/commit")
+    def commit(self, rec: M.TransferRecord) -> M.Status:
+        resp = self._call("POST", f"{INTERNAL}/{rec.id}/commit")
         if failpoints.action("source.commit_reply") == "lost":
             # the destination acted; the reply never reaches the source (matrix row)
             raise MigrationError("transport", "commit reply lost (injected)")
-        return self._view(resp, "commit")["status"]
+        return M.Status(self._view(resp, "commit", final_conflict=True)["status"])
+
+    def delete(self, rec: M.TransferRecord) -> None:
+        raise MigrationError("usage", "a decode destination's sessions are deleted through its own API")
+
+    def fetch(self, rec: M.TransferRecord) -> bytes:
+        raise MigrationError("usage", "sessions are restored from storage nodes, not from decode nodes")

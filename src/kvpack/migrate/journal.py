@@ -1,12 +1,17 @@
 """Durable transfer journals: one pretty-JSON record per transfer, 0600, atomic.
 
-``<home>/session-transfers/<id>.json`` holds everything a restarted node needs to finish or
-reconcile a transfer: the binding (session, destination, mode, tier), the status, size and
-SHA-256 of the sealed payload, the per-transfer key (which is why the file is 0600 and the
-directory 0700), the incoming side's durable upload offset, and a short history of status
-changes with their reasons. Every write goes through :func:`kvpack.durable.atomic_write`
-(temp file, fsync, rename, directory fsync): after a crash a journal is the old record or the
-new one, never a mix. Payload files live next to the journals:
+Why it exists: a restarted node must be able to finish or reconcile every transfer from disk
+alone. ``<home>/session-transfers/<id>.json`` holds the typed
+:class:`~kvpack.migrate.machine.TransferRecord`: the binding (session, destination, mode,
+tier), the status, size and SHA-256 of the sealed payload, the per-transfer key (which is why
+the file is 0600 and the directory 0700), the incoming side's durable upload offset, prepare
+material and recorded expectation, and a short history of status changes with their reasons.
+Every write goes through :func:`kvpack.durable.atomic_write` (temp file, fsync, rename,
+directory fsync): after a crash a journal is the old record or the new one, never a mix.
+What it must never do: decide anything (that is :mod:`.machine`) or accept a record it cannot
+decode exactly (unknown fields, wrong types: ``integrity``).
+
+Payload files live next to the journals:
 
 * ``<id>.payload``     the sealed bundle (source: what is sent; destination: what was verified)
 * ``.<id>.incoming``   the destination's partial upload (resumable from ``received``)
@@ -22,37 +27,129 @@ import os
 import re
 import threading
 import time
-from typing import Any
+from dataclasses import asdict, fields, replace
+from typing import Any, Optional
 
+from .. import strictjson
 from ..durable import REAL_OPS, FileOps, atomic_write, durable_unlink, ensure_dir
 from ..errors import MigrationError
 from . import machine as M
 
-ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
-HISTORY_LIMIT = 64
+ID_RE = re.compile(r"[A-Za-z0-9_-]{1,128}")
+ID_RULE = "1..128 of [A-Za-z0-9_-]"
 
 
 def valid_id(value: Any) -> bool:
-    return isinstance(value, str) and bool(ID_RE.match(value))
+    """Ids are matched whole (``fullmatch``: a trailing newline is not a valid id)."""
+    return isinstance(value, str) and ID_RE.fullmatch(value) is not None
 
 
-def view(rec: dict[str, Any]) -> dict[str, Any]:
+def view(rec: M.TransferRecord) -> dict[str, Any]:
     """TransferView (D.1), serialization order; ``last_error`` omitted when null."""
-    out = {
-        "id": rec["id"],
-        "session_id": rec["session_id"],
-        "direction": rec["direction"],
-        "mode": rec["mode"],
-        "tier": rec["tier"],
-        "destination": rec["destination"],
-        "status": rec["status"],
-        "bytes": rec.get("bytes", 0),
-        "sha256": rec.get("sha256", ""),
-        "source_deleted": bool(rec.get("source_deleted", False)),
+    out: dict[str, Any] = {
+        "id": rec.id,
+        "session_id": rec.session_id,
+        "direction": rec.direction,
+        "mode": rec.mode,
+        "tier": rec.tier,
+        "destination": rec.destination,
+        "status": rec.status.value,
+        "bytes": rec.bytes,
+        "sha256": rec.sha256,
+        "source_deleted": rec.source_deleted,
     }
-    if rec.get("last_error") is not None:
-        out["last_error"] = rec["last_error"]
+    if rec.last_error is not None:
+        out["last_error"] = rec.last_error
     return out
+
+
+# -- the record's JSON form ------------------------------------------------------------------------------
+
+
+def _state_json(state: Optional[M.SessionState]) -> Optional[dict[str, Any]]:
+    if state is None:
+        return None
+    if isinstance(state, M.Held):
+        return {"state": "held", "revision": state.revision, "bundle_sha256": state.bundle_sha256}
+    return {"state": "absent"}
+
+
+def record_json(rec: M.TransferRecord) -> dict[str, Any]:
+    out = {f.name: getattr(rec, f.name) for f in fields(rec)}
+    out["status"] = rec.status.value
+    out["material"] = None if rec.material is None else asdict(rec.material)
+    out["expected"] = _state_json(rec.expected)
+    out["history"] = [{"status": h.status.value, "note": h.note, "t": h.t} for h in rec.history]
+    return out
+
+
+def _bad(tid: str, what: str) -> MigrationError:
+    return MigrationError("integrity", f"journal {tid} is malformed: {what}")
+
+
+def _state_from(tid: str, obj: Any) -> Optional[M.SessionState]:
+    if obj is None:
+        return None
+    if obj == {"state": "absent"}:
+        return M.ABSENT
+    if isinstance(obj, dict) and set(obj) == {"state", "revision", "bundle_sha256"} and obj["state"] == "held":
+        if type(obj["revision"]) is int and isinstance(obj["bundle_sha256"], str):
+            return M.Held(obj["revision"], obj["bundle_sha256"])
+    raise _bad(tid, "expected")
+
+
+def _status(tid: str, value: Any) -> M.Status:
+    try:
+        return M.Status(value)
+    except ValueError:
+        raise _bad(tid, f"status {value!r}") from None
+
+
+_TYPES: dict[str, tuple[type, ...]] = {
+    "id": (str,),
+    "session_id": (str,),
+    "direction": (str,),
+    "mode": (str,),
+    "tier": (str,),
+    "destination": (str,),
+    "bytes": (int,),
+    "sha256": (str,),
+    "source_deleted": (bool,),
+    "last_error": (str, type(None)),
+    "transport_key": (str, type(None)),
+    "phase": (str,),
+    "received": (int,),
+    "installed": (bool,),
+    "created": (float, int),
+    "updated": (float, int),
+}
+
+
+def record_from_json(tid: str, obj: Any) -> M.TransferRecord:
+    """Decode a journal object exactly; anything unexpected is ``integrity``."""
+    if not isinstance(obj, dict) or obj.get("id") != tid:
+        raise _bad(tid, "not a record of this transfer")
+    known = {f.name for f in fields(M.TransferRecord)}
+    unknown = set(obj) - known
+    if unknown:
+        raise _bad(tid, f"unknown fields {sorted(unknown)}")
+    for name, types in _TYPES.items():
+        if name in obj and (not isinstance(obj[name], types) or (bool not in types and isinstance(obj[name], bool))):
+            raise _bad(tid, f"field {name}")
+    if obj.get("direction") not in ("outgoing", "incoming") or obj.get("mode") not in M.MODES or obj.get("tier") not in M.TIERS:
+        raise _bad(tid, "binding")
+    if obj.get("phase", "export") not in ("export", "restore-pending", "restore"):
+        raise _bad(tid, "phase")
+    values = {k: v for k, v in obj.items() if k in _TYPES}
+    values["status"] = _status(tid, obj.get("status"))
+    values["expected"] = _state_from(tid, obj.get("expected"))
+    material = obj.get("material")
+    try:
+        values["material"] = None if material is None else M.Material(**material)
+        values["history"] = tuple(M.HistoryEntry(_status(tid, h["status"]), str(h["note"]), float(h.get("t", 0.0))) for h in obj.get("history", ()))
+        return M.TransferRecord(**values)
+    except (TypeError, KeyError, ValueError):
+        raise _bad(tid, "material or history") from None
 
 
 class Journals:
@@ -67,7 +164,7 @@ class Journals:
     # -- paths -------------------------------------------------------------------------------------
     def _check(self, tid: str) -> None:
         if not valid_id(tid):
-            raise MigrationError("usage", "transfer id must be 1..128 of [A-Za-z0-9_-]")
+            raise MigrationError("usage", f"transfer id must be {ID_RULE}")
 
     def path(self, tid: str) -> str:
         self._check(tid)
@@ -82,62 +179,43 @@ class Journals:
         return os.path.join(self.dir, f".{tid}.incoming")
 
     # -- records -----------------------------------------------------------------------------------
-    def load(self, tid: str) -> dict[str, Any] | None:
+    def load(self, tid: str) -> Optional[M.TransferRecord]:
         try:
             with open(self.path(tid), "rb") as fh:
                 data = fh.read()
         except FileNotFoundError:
             return None
         try:
-            rec = json.loads(data)
+            obj = strictjson.loads(data)
         except ValueError:
             raise MigrationError("integrity", f"journal {tid} is not JSON") from None
-        if not isinstance(rec, dict) or rec.get("id") != tid:
-            raise MigrationError("integrity", f"journal {tid} is malformed")
-        return rec
+        return record_from_json(tid, obj)
 
-    def require(self, tid: str) -> dict[str, Any]:
+    def require(self, tid: str) -> M.TransferRecord:
         rec = self.load(tid)
         if rec is None:
             raise MigrationError("not_found", "session transfer does not exist")
         return rec
 
-    def save(self, rec: dict[str, Any]) -> None:
-        rec["updated"] = time.time()
-        body = json.dumps(rec, indent=2, sort_keys=True).encode() + b"\n"
-        atomic_write(self.path(rec["id"]), body, ops=self.ops, mode=0o600)
-
-    def create(self, rec: dict[str, Any]) -> dict[str, Any]:
-        rec.setdefault("history", [])
-        rec.setdefault("created", time.time())
-        rec["history"].append({"status": rec["status"], "note": "created", "t": time.time()})
-        self.save(rec)
+    def save(self, rec: M.TransferRecord) -> M.TransferRecord:
+        """Durably write ``rec`` (stamped with the time of writing); returns what was written."""
+        rec = replace(rec, updated=time.time())
+        body = json.dumps(record_json(rec), indent=2, sort_keys=True).encode() + b"\n"
+        atomic_write(self.path(rec.id), body, ops=self.ops, mode=0o600)
         return rec
 
-    def transition(self, rec: dict[str, Any], status: str, note: str = "", **fields: Any) -> dict[str, Any]:
-        """Durably move ``rec`` to ``status`` (checked against the machine), with extra fields."""
-        M.check_transition(rec["direction"], rec["status"], status)
-        rec.update(fields)
-        rec["status"] = status
-        hist = rec.setdefault("history", [])
-        hist.append({"status": status, "note": note, "t": time.time()})
-        del hist[:-HISTORY_LIMIT]
-        self.save(rec)
-        return rec
+    def transition(self, rec: M.TransferRecord, status: M.Status, text: str = "", **changes: Any) -> M.TransferRecord:
+        """Durably move ``rec`` to ``status`` (checked against the machine), with changes."""
+        return self.save(M.transition(rec, status, text, now=time.time(), **changes))
 
-    def record_failure(self, rec: dict[str, Any], error: str) -> dict[str, Any]:
+    def note(self, rec: M.TransferRecord, text: str, **changes: Any) -> M.TransferRecord:
+        return self.save(M.note(rec, text, now=time.time(), **changes))
+
+    def record_failure(self, rec: M.TransferRecord, error: str) -> M.TransferRecord:
         """D.4 failure recording: kept statuses keep, others become ``ambiguous``; error attached."""
-        status = M.failure_status(rec["status"])
-        if status != rec["status"]:
-            M.check_transition(rec["direction"], rec["status"], status)
-        rec["status"] = status
-        rec["last_error"] = error
-        rec.setdefault("history", []).append({"status": status, "note": f"error: {error}", "t": time.time()})
-        del rec["history"][:-HISTORY_LIMIT]
-        self.save(rec)
-        return rec
+        return self.save(M.record_failure(rec, error, now=time.time()))
 
-    def all(self) -> list[dict[str, Any]]:
+    def all(self) -> list[M.TransferRecord]:
         out = []
         for name in sorted(os.listdir(self.dir)):
             if name.endswith(".json") and not name.startswith("."):
@@ -158,7 +236,9 @@ def encode_key(key: bytes) -> str:
     return base64.b64encode(key).decode("ascii")
 
 
-def decode_key(text: str) -> bytes:
+def decode_key(text: Optional[str]) -> bytes:
+    if text is None:
+        raise MigrationError("integrity", "this transfer has no transport key yet")
     try:
         key = base64.b64decode(text.encode("ascii"), validate=True)
     except (ValueError, UnicodeEncodeError):

@@ -24,10 +24,8 @@ import numpy as np
 from ..durable import atomic_write, durable_unlink, ensure_dir
 from ..errors import MigrationError
 from . import machine as M
-from .bundle import adopt_bundle, decode_bundle, export_bundle
-from .journal import Journals, valid_id
-
-FENCING = frozenset({M.STARTING, M.PREPARED, M.TRANSFERRING, M.AMBIGUOUS, M.DESTINATION_COMMITTED, M.DESTINATION_COMMITTED_SOURCE_RETAINED})
+from .bundle import adopt_bundle, decode_bundle, export_bundle, sha256_hex
+from .journal import ID_RULE, Journals, valid_id
 
 
 @dataclass
@@ -71,7 +69,7 @@ class SessionRegistry:
 
     def path(self, sid: str) -> str:
         if not valid_id(sid):
-            raise MigrationError("usage", "session id must be 1..128 of [A-Za-z0-9_-]")
+            raise MigrationError("usage", f"session id must be {ID_RULE}")
         return os.path.join(self.dir, f"{sid}.bundle")
 
     def exists(self, sid: str) -> bool:
@@ -80,15 +78,22 @@ class SessionRegistry:
     def fence(self, sid: str) -> str | None:
         """The transfer id of an unfinished outgoing move of ``sid`` (None when not fenced)."""
         for rec in self.journals.all():
-            if (
-                rec["direction"] == "outgoing"
-                and rec["session_id"] == sid
-                and rec["mode"] == "move"
-                and rec.get("phase", "export") == "export"
-                and rec["status"] in FENCING
-            ):
-                return rec["id"]
+            if rec.session_id == sid and M.fences(rec):
+                return rec.id
         return None
+
+    def observe(self, sid: str) -> M.SessionState:
+        """This node's state of session ``sid`` now: what prepare records and commit compares.
+        Call with :attr:`lock` held when the answer licenses an install."""
+        with self.lock:
+            try:
+                with open(self.path(sid), "rb") as fh:
+                    plain = fh.read()
+            except FileNotFoundError:
+                return M.ABSENT
+            live = self.live.get(sid)
+            revision = live.revision if live is not None else decode_bundle(plain).record["revision"]
+            return M.Held(int(revision), sha256_hex(plain))
 
     # -- lifecycle -----------------------------------------------------------------------------------
     def create(self, sid: str, tokens: list[int], *, messages: list | None = None, seed: int = 0) -> dict:
@@ -164,15 +169,31 @@ class SessionRegistry:
             except FileNotFoundError:
                 raise MigrationError("not_found", f"session {sid} does not exist") from None
 
-    def install(self, sid: str, plain: bytes) -> None:
-        """Adopt a bundle as session ``sid`` (verified, bit-exact) and make it durable here."""
+    def adopt(self, sid: str, plain: bytes) -> LiveSession:
+        """Verify and adopt a plain bundle as a new live session of ``sid`` (bit-exact restore),
+        without making it visible: nothing is written or registered."""
         with self.lock:
             bundle = decode_bundle(plain)
             if bundle.session_id != sid:
                 raise MigrationError("integrity", f"bundle holds session {bundle.session_id}, not {sid}")
             session, rec = adopt_bundle(bundle, self.engine)
+            return LiveSession(session, rec["revision"], rec["sampler"], rec["rng"], rec["messages"])
+
+    def publish(self, sid: str, plain: bytes, live: LiveSession, *, expected: M.SessionState) -> None:
+        """Make an adopted session durable and live here, only if this node's state of ``sid``
+        is still ``expected`` (else ``conflict``, nothing written). The check and the write
+        happen under one lock, so no create, decode or other install can slip in between."""
+        with self.lock:
+            observed = self.observe(sid)
+            if observed != expected:
+                raise MigrationError("conflict", f"session {sid} is {M.describe(observed)} here, not {M.describe(expected)}; not overwritten")
             atomic_write(self.path(sid), plain, mode=0o600)
-            self.live[sid] = LiveSession(session, rec["revision"], rec["sampler"], rec["rng"], rec["messages"])
+            self.live[sid] = live
+
+    def install(self, sid: str, plain: bytes, *, expected: M.SessionState = M.ABSENT) -> None:
+        """:meth:`adopt` then :meth:`publish`, under one hold of the lock."""
+        with self.lock:
+            self.publish(sid, plain, self.adopt(sid, plain), expected=expected)
 
     def delete(self, sid: str) -> bool:
         with self.lock:

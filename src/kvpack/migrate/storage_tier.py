@@ -32,7 +32,7 @@ import shlex
 import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 from ..durable import atomic_write, ensure_dir
 from ..errors import MigrationError
@@ -216,14 +216,14 @@ class StorageDestination:
             "sh -c " + shlex.quote(script),
         ]
 
-    def vars(self, rec: dict[str, Any], **extra: Any) -> dict[str, str]:
-        tid = rec["id"]
+    def vars(self, rec: M.TransferRecord, **extra: Any) -> dict[str, str]:
+        tid = rec.id
         out = {
             "dir": shlex.quote(self.node.bundle_dir),
             "tmp": shlex.quote(self.node.tmp(tid)),
             "final": shlex.quote(self.node.final(tid)),
-            "bytes": shlex.quote(str(int(rec["bytes"]))),
-            "sha": shlex.quote(str(rec["sha256"])),
+            "bytes": shlex.quote(str(int(rec.bytes))),
+            "sha": shlex.quote(str(rec.sha256)),
         }
         out.update({k: shlex.quote(str(v)) for k, v in extra.items()})
         return out
@@ -239,29 +239,27 @@ class StorageDestination:
         return proc.stdout
 
     # -- destination interface ------------------------------------------------------------------------
-    def lookup(self, tid: str, rec: dict[str, Any] | None = None) -> tuple[str | None, int]:
-        if rec is None:  # the storage node's scripts are keyed by the record's size and digest
-            raise TypeError("StorageDestination.lookup needs the transfer record")
+    def lookup(self, rec: M.TransferRecord) -> tuple[Optional[M.Status], int]:
         out = self.run(LOOKUP.format(**self.vars(rec)), what="lookup").decode().strip()
         if out == "committed":
-            return M.COMMITTED, int(rec["bytes"])
+            return M.COMMITTED, int(rec.bytes)
         if out == "mismatch":
-            raise MigrationError("integrity", f"storage node holds {tid} with other bytes")
+            raise MigrationError("integrity", f"storage node holds {rec.id} with other bytes")
         if out == "absent":
             return None, 0
         word, _, num = out.partition(" ")
         if word in ("partial", "prepared") and num.isdigit():
             size = int(num)
-            if size == rec["bytes"]:
+            if size == rec.bytes:
                 return M.UPLOADED, size
-            return M.PREPARED, size if size < rec["bytes"] else 0
+            return M.PREPARED, size if size < rec.bytes else 0
         raise MigrationError("transport", f"lookup: unexpected reply {out!r}")
 
-    def prepare(self, rec: dict[str, Any], identity: dict[str, Any] | None = None) -> str:
+    def prepare(self, rec: M.TransferRecord, identity: Optional[dict[str, Optional[str]]] = None) -> M.Status:
         self.run(PREPARE.format(**self.vars(rec)), what="prepare")
         return M.PREPARED
 
-    def upload(self, rec: dict[str, Any], path: str, offset: int, progress: Callable[[int], None] | None = None) -> None:
+    def upload(self, rec: M.TransferRecord, path: str, offset: int, progress: Optional[Callable[[int], None]] = None) -> None:
         kill_at = failpoints.byte_threshold("source.upload")
         proc = subprocess.Popen(
             self.argv(UPLOAD.format(**self.vars(rec, offset=offset))), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
@@ -297,10 +295,10 @@ class StorageDestination:
         out, err = proc.stdout.read(), proc.stderr.read()
         if proc.returncode != 0:
             raise MigrationError("transport", f"upload: ssh exit {proc.returncode}: {err.decode(errors='replace').strip()[-200:]}")
-        if out.decode().strip() != str(rec["bytes"]):
-            raise MigrationError("transport", f"upload: remote temp file holds {out.decode().strip()} bytes, expected {rec['bytes']}")
+        if out.decode().strip() != str(rec.bytes):
+            raise MigrationError("transport", f"upload: remote temp file holds {out.decode().strip()} bytes, expected {rec.bytes}")
 
-    def commit(self, rec: dict[str, Any]) -> str:
+    def commit(self, rec: M.TransferRecord) -> M.Status:
         script = COMMIT
         cut = failpoints.action("storage.commit_interrupt")
         if cut is not None:
@@ -312,12 +310,12 @@ class StorageDestination:
             raise MigrationError("transport", f"commit: unexpected reply {out!r}")
         return M.COMMITTED
 
-    def delete(self, rec: dict[str, Any]) -> None:
+    def delete(self, rec: M.TransferRecord) -> None:
         self.run(DELETE.format(**self.vars(rec)), what="delete")
 
-    def fetch(self, rec: dict[str, Any]) -> bytes:
+    def fetch(self, rec: M.TransferRecord) -> bytes:
         data = self.run(FETCH.format(**self.vars(rec)), what="fetch")
-        if len(data) != rec["bytes"] or hashlib.sha256(data).hexdigest() != rec["sha256"]:
+        if len(data) != rec.bytes or hashlib.sha256(data).hexdigest() != rec.sha256:
             raise MigrationError("integrity", "fetched bundle differs in size or SHA-256 from the record")
         return data
 

@@ -20,10 +20,13 @@ Routes (every one requires ``Authorization: Bearer <api key>``, compared in cons
 Rules (D.1): error body ``{"error":{"type","message"}}``; 401 ``authentication_required`` with
 ``www-authenticate: Bearer``; Content-Type compared exactly (``application/json``, or
 ``application/octet-stream`` for the payload), else 415 ``invalid_request_error``; bodies are
-strict (unknown fields, wrong types, floats for integers: 400 ``invalid_request_error``); ids
-are 1..128 of ``[A-Za-z0-9_-]``; JSON bodies are capped at 64 MiB (413); internal routes answer
-403 ``tls_required`` unless the connection itself is TLS (``X-Forwarded-*`` headers are never
-trusted: uvicorn runs with ``proxy_headers=False``).
+strict (unknown fields, wrong types, floats for integers, duplicate keys: 400
+``invalid_request_error``); ids are 1..128 of ``[A-Za-z0-9_-]``, matched whole (a trailing
+newline is refused); JSON bodies are capped at 64 MiB (413) and must arrive within
+``json_body_timeout_s`` (408); internal routes answer 403 ``tls_required`` unless the
+connection itself is TLS (``X-Forwarded-*`` headers are never trusted: uvicorn runs with
+``proxy_headers=False``). Connection-level limits (TLS handshake, header and body-idle
+deadlines, per-client and total connection caps) are enforced by :mod:`.api_front`.
 """
 
 from __future__ import annotations
@@ -41,14 +44,18 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .. import strictjson
 from ..errors import KvpackError, MigrationError
+from ..migrate.config import ApiLimits
 
 log = logging.getLogger("kvpack.node.api")
 
 MAX_JSON_BODY = 64 * 1024 * 1024
 PAYLOAD_CONCURRENCY = 4
+# pydantic compiles Field patterns with Rust's regex, where ``$`` is end of text (no newline
+# exception); Python-side checks use ``fullmatch`` on the bare class.
 ID_PATTERN = r"^[A-Za-z0-9_-]{1,128}$"
-_ID = re.compile(ID_PATTERN)
+_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
 INTERNAL_PREFIX = "/__kvpack/"
 PUBLIC_PATHS = frozenset({"/openapi.json"})
 U64 = 2**64 - 1
@@ -162,38 +169,52 @@ def _map(exc: KvpackError, default_kind: str) -> ApiError:
 
 
 def _id(value: str, what: str) -> str:
-    if not _ID.match(value):
+    if _ID.fullmatch(value) is None:
         raise ApiError(400, "invalid_request_error", f"{what} must be 1..128 of [A-Za-z0-9_-]")
     return value
 
 
-async def _json_body(request: Request, model: type[BaseModel], *, optional: bool = False) -> Any:
+async def _read_json_bytes(request: Request, timeout_s: float) -> bytes:
+    """The whole body, bounded in size (413) and in time (408)."""
+    length = request.headers.get("content-length")
+    if length is not None and (not length.isdigit() or int(length) > MAX_JSON_BODY):
+        raise ApiError(413, "invalid_request_error", f"body exceeds {MAX_JSON_BODY} bytes")
+    data = bytearray()
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for block in request.stream():
+                data += block
+                if len(data) > MAX_JSON_BODY:
+                    raise ApiError(413, "invalid_request_error", f"body exceeds {MAX_JSON_BODY} bytes")
+    except TimeoutError:
+        raise ApiError(408, "invalid_request_error", f"body not received within {timeout_s:g}s") from None
+    return bytes(data)
+
+
+async def _json_body(request: Request, model: type[BaseModel], *, timeout_s: float, optional: bool = False) -> Any:
     ctype = request.headers.get("content-type")
     if ctype != "application/json":
         if optional and ctype is None and request.headers.get("content-length") in (None, "0"):
             return model()
         raise ApiError(415, "invalid_request_error", "Content-Type must be exactly application/json")
-    length = request.headers.get("content-length")
-    if length is not None and (not length.isdigit() or int(length) > MAX_JSON_BODY):
-        raise ApiError(413, "invalid_request_error", f"body exceeds {MAX_JSON_BODY} bytes")
-    data = bytearray()
-    async for block in request.stream():
-        data += block
-        if len(data) > MAX_JSON_BODY:
-            raise ApiError(413, "invalid_request_error", f"body exceeds {MAX_JSON_BODY} bytes")
+    data = await _read_json_bytes(request, timeout_s)
     try:
-        return model.model_validate_json(bytes(data), strict=True)
+        strictjson.loads(data)  # duplicate keys and NaN/Infinity refused before pydantic's last-wins parse
+    except ValueError as exc:
+        raise ApiError(400, "invalid_request_error", f"body is not strict JSON: {exc}") from None
+    try:
+        return model.model_validate_json(data, strict=True)
     except ValidationError as exc:
-        first: dict[str, Any] = dict(exc.errors()[0]) if exc.errors() else {}
-        where = ".".join(str(p) for p in first.get("loc", ())) or "body"
-        raise ApiError(400, "invalid_request_error", f"{where}: {first.get('msg', 'invalid body')}") from None
+        errors = exc.errors()
+        where = ".".join(str(p) for p in errors[0]["loc"]) if errors else ""
+        raise ApiError(400, "invalid_request_error", f"{where or 'body'}: {errors[0]['msg'] if errors else 'invalid body'}") from None
 
 
 def _openapi_body(model: type[BaseModel], content_type: str = "application/json") -> dict:
     return {"requestBody": {"required": True, "content": {content_type: {"schema": model.model_json_schema(ref_template="#/components/schemas/{model}")}}}}
 
 
-_ERRORS: dict[int | str, dict[str, Any]] = {status: {"model": ErrorBody} for status in (400, 401, 403, 404, 409, 413, 415)}
+_ERRORS: dict[int | str, dict[str, Any]] = {status: {"model": ErrorBody} for status in (400, 401, 403, 404, 408, 409, 413, 415)}
 
 
 # -- the app -------------------------------------------------------------------------------------------------
@@ -224,7 +245,7 @@ class AuthTlsMiddleware:
         return await self.app(scope, receive, send)
 
 
-def create_app(svc) -> tuple[AuthTlsMiddleware, FastAPI]:
+def create_app(svc: Any, limits: ApiLimits | None = None) -> tuple[AuthTlsMiddleware, FastAPI]:
     app = FastAPI(
         title="kvpack decode node",
         version="1",
@@ -233,6 +254,7 @@ def create_app(svc) -> tuple[AuthTlsMiddleware, FastAPI]:
         description="Session migration (INTEROP.md PART D) and the node's session registry.",
     )
     payload_slots = asyncio.Semaphore(PAYLOAD_CONCURRENCY)
+    body_s = (limits or ApiLimits()).json_body_timeout_s
 
     @app.exception_handler(ApiError)
     async def _api_error(_request: Request, exc: ApiError):
@@ -269,7 +291,7 @@ def create_app(svc) -> tuple[AuthTlsMiddleware, FastAPI]:
     )
     async def migrate(session_id: str, request: Request):
         _id(session_id, "session id")
-        body = await _json_body(request, MigrateBody)
+        body = await _json_body(request, MigrateBody, timeout_s=body_s)
         v = await call(svc.start_migration, session_id, body.destination, body.mode, body.tier, body.transfer_id, kind="invalid_request_error")
         return JSONResponse(v, status_code=202)
 
@@ -297,7 +319,7 @@ def create_app(svc) -> tuple[AuthTlsMiddleware, FastAPI]:
         responses=_ERRORS,
     )
     async def prepare(request: Request):
-        body = await _json_body(request, PrepareBody)
+        body = await _json_body(request, PrepareBody, timeout_s=body_s)
         return JSONResponse(await call(svc.prepare, body.model_dump(), kind="transfer_prepare_error"))
 
     @app.put(
@@ -315,7 +337,7 @@ def create_app(svc) -> tuple[AuthTlsMiddleware, FastAPI]:
             raise ApiError(415, "invalid_request_error", "Content-Type must be exactly application/octet-stream")
         async with payload_slots:
             try:
-                v = await receive_payload(svc, transfer_id, request)
+                v = await receive_payload(svc, transfer_id, request.headers, request.stream())
             except KvpackError as exc:
                 raise _map(exc, "transfer_payload_error") from None
         return JSONResponse(v)
@@ -335,7 +357,7 @@ def create_app(svc) -> tuple[AuthTlsMiddleware, FastAPI]:
     async def create_session(request: Request):
         from ..migrate.service import new_session_id
 
-        body = await _json_body(request, CreateSessionBody)
+        body = await _json_body(request, CreateSessionBody, timeout_s=body_s)
         sid = body.session_id or new_session_id()
         info = await call(lambda: svc.registry.create(sid, body.prompt_token_ids, messages=body.messages, seed=body.seed), kind="invalid_request_error")
         return JSONResponse(info, status_code=201)
@@ -348,7 +370,7 @@ def create_app(svc) -> tuple[AuthTlsMiddleware, FastAPI]:
     @app.post("/v1/sessions/{session_id}/decode", openapi_extra=_openapi_body(DecodeBody), responses=_ERRORS)
     async def session_decode(session_id: str, request: Request):
         _id(session_id, "session id")
-        body = await _json_body(request, DecodeBody)
+        body = await _json_body(request, DecodeBody, timeout_s=body_s)
         return JSONResponse(await call(svc.registry.decode, session_id, body.tokens, kind="invalid_request_error"))
 
     @app.delete("/v1/sessions/{session_id}", responses=_ERRORS)
@@ -390,24 +412,25 @@ def serve(config_path: str) -> None:
     from ..migrate.config import load_config
     from ..migrate.service import MigrationService
 
+    from .api_front import hardened_protocol
+
     cfg = load_config(config_path)
     svc = MigrationService(cfg)
-    asgi, _app = create_app(svc)
-    kwargs: dict[str, Any] = {}
-    if cfg.tls:
-        ctx = server_ssl_context(cfg.tls)
-        kwargs["ssl_context_factory"] = lambda _config, _default: ctx
+    limits = cfg.api_limits
+    asgi, _app = create_app(svc, limits)
+    # TLS is done by the front (its own handshake deadline); uvicorn serves what it hands over.
+    protocol = hardened_protocol(limits, server_ssl_context(cfg.tls) if cfg.tls else None)
     config = uvicorn.Config(
         asgi,
         host=cfg.host,
         port=cfg.port,
+        http=protocol,
         proxy_headers=False,
         server_header=False,
         log_level="warning",
         lifespan="off",
-        timeout_keep_alive=30,
-        limit_concurrency=256,
-        **kwargs,
+        timeout_keep_alive=limits.header_timeout_s,  # type: ignore[arg-type]
+        limit_concurrency=limits.max_connections,
     )
     print(f"kvpack decode node {cfg.node_name} serving {cfg.base_url}", flush=True)
     uvicorn.Server(config).run()
