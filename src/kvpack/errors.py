@@ -102,6 +102,7 @@ class SecurityError(KvpackError):
             "degraded",  # ledger latched degraded after a failed reservation
             "epoch",  # epoch below the configured minimum
             "ledger",  # ledger file malformed, wrong mode or locked by another process
+            "rollback",  # ledger missing, older or emptied against its rollback witness
             "volume",  # ledger volume too slow (probe)
             "config",  # config file malformed or inconsistent
             "enrollment",  # enrollment workflow refusal

@@ -4,6 +4,7 @@ Each refusal asserts the typed error and that the ledger file's bytes are unchan
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -12,8 +13,9 @@ import threading
 
 import pytest
 
-from kvpack.errors import SecurityError
-from kvpack.security.ledger import ReplayLedger, decode_ledger, encode_ledger
+from kvpack.cli import main as kvpack_main
+from kvpack.errors import KvpackError, SecurityError
+from kvpack.security.ledger import ReplayLedger, decode_ledger, encode_ledger, reset_ledger
 from kvpack.testing.faults import FaultyOps, SimulatedCrash
 
 EMPTY = b'{\n  "highest_generation": {}\n}\n'
@@ -97,7 +99,12 @@ def test_fsync_eio_latches_degraded_until_restart(tmp_path):
         led.reserve("k", 1, 2)
 
 
-@pytest.mark.parametrize("crash_at", range(1, 7))
+# A reservation: ledger (open, write, fsync, rename, dirsync), then witness (open, write, fsync,
+# rename; made durable by the next directory fsync).
+RESERVE_STEPS = 9
+
+
+@pytest.mark.parametrize("crash_at", range(1, RESERVE_STEPS + 3))
 def test_crash_at_each_step_leaves_old_or_new_watermark(tmp_path, crash_at):
     path = tmp_path / "ledger.json"
     with ReplayLedger.open(path) as led:
@@ -105,24 +112,26 @@ def test_crash_at_each_step_leaves_old_or_new_watermark(tmp_path, crash_at):
     old = read(path)
     ops = FaultyOps(crash_at=crash_at)
     led = ReplayLedger.open(path, ops=ops)
+    crashed = False
     try:
         led.reserve("k", 1, 6)
-        crashed = False
+        led.close()  # step 10: the directory fsync that makes the witness rename durable
     except SimulatedCrash:
         crashed = True
-    finally:
-        led.close()  # the process died: its lock goes with it
-    assert crashed == (crash_at <= 5)  # open, write, fsync, rename, dirsync
+        with contextlib.suppress(SimulatedCrash):
+            led.close()  # the process died: its lock goes with it
+    assert crashed == (crash_at <= RESERVE_STEPS + 1)
+    # Never a false rollback: whatever survived, the witness is at most the durable ledger.
     with ReplayLedger.open(path) as after:
         mark = after.watermark("k", 1)
-        assert mark in (5, 6)
-        # Before the directory fsync nothing is durable: the old watermark survives intact.
-        assert mark == (5 if crashed else 6)
-        assert read(path) == (old if crashed else encode_ledger({"k:1": 6}))
+        # Before the ledger's directory fsync (step 5) nothing is durable: the old watermark.
+        assert mark == (5 if crash_at <= 5 else 6)
+        assert read(path) == (old if crash_at <= 5 else encode_ledger({"k:1": 6}))
+        assert after.witness_snapshot() == {"k:1": mark}
     assert not [n for n in os.listdir(tmp_path) if n.endswith(".tmp")]
 
 
-@pytest.mark.parametrize("crash_at", range(1, 7))
+@pytest.mark.parametrize("crash_at", range(1, 12))
 def test_crash_while_creating_leaves_no_or_empty_ledger(tmp_path, crash_at):
     path = tmp_path / "ledger.json"
     try:
@@ -158,9 +167,12 @@ def test_tampered_ledger_refuses_to_load(tmp_path, tamper, needle):
         ReplayLedger.open(path)
     assert info.value.category == "ledger" and needle in info.value.message
     assert read(path) == before
-    # The refused open released its lock: a repaired ledger opens again.
+    # The refused open released its lock: a repaired ledger (same watermark, 0600) opens again.
     os.unlink(path)
-    ReplayLedger.open(path).close()
+    _rewrite(str(path), encode_ledger({"k:1": 9}))
+    os.chmod(path, 0o600)
+    with ReplayLedger.open(path) as led:
+        assert led.watermark("k", 1) == 9
 
 
 def _rewrite(path: str, data: bytes) -> None:
@@ -234,3 +246,274 @@ def test_argument_types_refused(tmp_path):
     with pytest.raises(SecurityError) as info:
         ReplayLedger.open(tmp_path / "x.json", minimum_epoch=0)
     assert info.value.category == "config"
+
+
+# -- rollback detection (issue 15): the witness, refusals at open, forward-only recovery ----------------
+
+
+def _witness(path) -> bytes:
+    return read(str(path) + ".witness")
+
+
+def _ledger_at(tmp_path, marks: dict[str, int]):
+    """A ledger that reserved ``marks`` in order, closed; returns its path."""
+    path = tmp_path / "state" / "replay-ledger.p.json"
+    with ReplayLedger.open(path) as led:
+        for space, top in marks.items():
+            key, _, epoch = space.rpartition(":")
+            for g in range(1, top + 1):
+                led.reserve(key, int(epoch), g)
+    return path
+
+
+def _delete(path, _old) -> None:
+    os.unlink(path)
+
+
+def _restore_old(path, old: bytes) -> None:
+    _rewrite(str(path), old)  # an operator restoring yesterday's copy (watermark 3, not 6)
+
+
+def _empty_map(path, _old) -> None:
+    _rewrite(str(path), EMPTY)
+
+
+def _drop_witness(path, _old) -> None:
+    os.unlink(str(path) + ".witness")
+
+
+@pytest.mark.parametrize(
+    "tamper, needle",
+    [(_delete, "is missing"), (_restore_old, "has k:1 at 3"), (_empty_map, "is empty"), (_drop_witness, "witness")],
+    ids=["deleted", "old-copy", "emptied-map", "witness-deleted"],
+)
+def test_rolled_back_ledger_refuses_to_open(tmp_path, tamper, needle):
+    path = tmp_path / "state" / "replay-ledger.p.json"
+    with ReplayLedger.open(path) as led:
+        for g in (1, 2, 3):
+            led.reserve("k", 1, g)
+        old = read(path)
+        for g in (4, 5, 6):
+            led.reserve("k", 1, g)
+    assert json.loads(_witness(path))["highest_generation"] == {"k:1": 6}
+    tamper(path, old)
+    files = {n: read(path.parent / n) for n in os.listdir(path.parent) if not n.endswith(".lock")}
+    with pytest.raises(SecurityError) as info:
+        ReplayLedger.open(path)
+    err = info.value
+    assert err.category == "rollback" and needle in err.message, err
+    assert "\n" not in str(err)  # one line for the operator
+    assert "--rotate" in err.message and "kvpack ledger reset" in err.message
+    # refused means untouched: no ledger recreated, no witness rewritten
+    assert {n: read(path.parent / n) for n in os.listdir(path.parent) if not n.endswith(".lock")} == files
+    # a new HMAC epoch recovers (old-epoch seals are refused by the epoch rule anyway) ...
+    if tamper is not _drop_witness:
+        with ReplayLedger.open(path, minimum_epoch=2) as led:
+            refuse(led, "epoch", epoch=1, generation=7)
+            refuse(led, "epoch" if tamper is _delete or tamper is _empty_map else "replay", epoch=1, generation=3)
+            led.reserve("k", 2, 1)
+        assert json.loads(_witness(path))["highest_generation"] == {"k:1": 6, "k:2": 1}
+
+
+def test_reset_moves_forward_only_and_is_logged(tmp_path):
+    path = _ledger_at(tmp_path, {"k:1": 6, "j:1": 2})
+    old = encode_ledger({"j:1": 2, "k:1": 3})
+    _rewrite(str(path), old)  # rolled back
+    with pytest.raises(SecurityError):
+        ReplayLedger.open(path)
+    for bad in (0, -1, True, 2**64):
+        with pytest.raises(SecurityError) as info:
+            reset_ledger(path, min_generation=bad)
+        assert info.value.category == "config"
+    assert read(path) == old  # refused resets wrote nothing
+    # forward only: N below the witness still restores the witnessed watermark, never less
+    entry = reset_ledger(path, min_generation=1, reason="restored from backup by mistake")
+    assert entry["before"] == {"j:1": 2, "k:1": 3} and entry["after"] == {"j:1": 2, "k:1": 6}
+    with ReplayLedger.open(path) as led:
+        refuse(led, "replay", generation=6)
+        led.admit("k", 1, 7)
+    # N above: every counter space moves up to N; a named new space is added
+    entry = reset_ledger(path, min_generation=40, spaces=["k:1", "k:2"])
+    assert entry["after"] == {"j:1": 2, "k:1": 40, "k:2": 40}
+    with ReplayLedger.open(path) as led:
+        assert led.snapshot() == {"j:1": 2, "k:1": 40, "k:2": 40}
+        # while a receiver holds the ledger, a reset is refused
+        with pytest.raises(SecurityError) as info:
+            reset_ledger(path, min_generation=50)
+        assert info.value.category == "ledger" and "another process" in info.value.message
+    lines = [json.loads(x) for x in read(str(path) + ".resets.log").splitlines()]
+    assert [x["min_generation"] for x in lines] == [1, 40]
+    assert lines[0]["reason"] == "restored from backup by mistake" and lines[0]["witness_before"] == {"j:1": 2, "k:1": 6}
+    assert os.stat(str(path) + ".resets.log").st_mode & 0o777 == 0o600
+
+
+def test_reset_repairs_a_deleted_ledger_and_witness(tmp_path):
+    path = _ledger_at(tmp_path, {"k:1": 4})
+    os.unlink(path)
+    os.unlink(str(path) + ".witness")  # both gone: indistinguishable from a fresh node ...
+    with ReplayLedger.open(path) as led:  # ... which is what the documented model does not detect
+        assert led.snapshot() == {}
+    with pytest.raises(SecurityError) as info:
+        reset_ledger(path, min_generation=9)  # nothing names a counter space
+    assert "--key" in info.value.message
+    reset_ledger(path, min_generation=9, spaces=["k:1"])
+    with ReplayLedger.open(path) as led:
+        refuse(led, "replay", generation=4)
+        refuse(led, "replay", generation=9)
+
+
+def test_tampered_witness_refuses_to_open(tmp_path):
+    path = _ledger_at(tmp_path, {"k:1": 2})
+    wpath = str(path) + ".witness"
+    good = read(wpath)
+    for tamper, needle in (
+        (lambda: os.chmod(wpath, 0o644), "group/other"),
+        (lambda: _rewrite(wpath, b"{"), "not valid witness JSON"),
+        (lambda: _rewrite(wpath, good.replace(b"replay-ledger.p.json", b"replay-ledger.q.json")), "witnesses ledger"),
+        (lambda: _rewrite(wpath, good.replace(b'"k:1": 2', b'"k:1": -2')), "u64"),
+    ):
+        tamper()
+        with pytest.raises(SecurityError) as info:
+            ReplayLedger.open(path)
+        assert info.value.category == "ledger" and needle in info.value.message
+        _rewrite(wpath, good)
+        os.chmod(wpath, 0o600)
+    ReplayLedger.open(path).close()
+
+
+def test_clear_degraded_needs_a_passing_probe_of_its_volume(tmp_path):
+    from kvpack.security.probe import ProbeResult, probe_volume
+
+    path = _ledger_at(tmp_path, {"k:1": 1})
+    ops = FaultyOps(fail_ops={"fsync"})
+    with ReplayLedger.open(path, ops=ops) as led:
+        with pytest.raises(SecurityError):
+            led.reserve("k", 1, 2)
+        assert led.degraded is not None
+        with pytest.raises(SecurityError) as info:
+            led.clear_degraded(probe_volume(tmp_path))  # another directory
+        assert info.value.category == "volume" and led.degraded is not None
+        with pytest.raises(SecurityError):
+            led.clear_degraded(ProbeResult(str(path.parent), (1.0, 250.0)))  # too slow a tail
+        ops._fail_ops = ()  # storage repaired
+        led.clear_degraded(probe_volume(path.parent, ops=ops))
+        assert led.degraded is None
+        refuse(led, "replay", generation=1)
+        led.reserve("k", 1, 2)
+    with ReplayLedger.open(path) as led:
+        assert led.watermark("k", 1) == 2 and led.witness_snapshot() == {"k:1": 2}
+
+
+def test_clear_degraded_refuses_a_ledger_that_went_backwards(tmp_path):
+    from kvpack.security.probe import probe_volume
+
+    path = _ledger_at(tmp_path, {"k:1": 1})
+    ops = FaultyOps(fail_ops={"fsync"})
+    with ReplayLedger.open(path, ops=ops) as led:
+        ops._fail_ops = ()
+        led.reserve("k", 1, 5)
+        ops._fail_ops = {"fsync"}
+        with pytest.raises(SecurityError):
+            led.reserve("k", 1, 6)
+        _rewrite(str(path), encode_ledger({"k:1": 2}))  # someone wrote an older ledger meanwhile
+        ops._fail_ops = ()
+        with pytest.raises(SecurityError) as info:
+            led.clear_degraded(probe_volume(path.parent, ops=ops))
+        assert info.value.category == "rollback" and led.degraded is not None
+
+
+# -- end to end: real receiver and producer nodes (mTLS on loopback, NumPy engine) ------------------------
+
+
+@pytest.mark.slow
+def test_captured_transfer_is_never_committed_twice_across_ledger_rollbacks(tmp_path):
+    """A transfer whose id is outside the ``muser-`` namespace is bound to no request (errata
+    M8), so only the ledger stands between a captured copy and a second commit. Roll the ledger
+    back (delete, old copy, emptied map): the receiver refuses to start. Recover by a logged
+    forward reset or by a new HMAC epoch: the captured transfer is refused, never committed."""
+    import itertools
+
+    from kvpack.errors import ProtocolError
+    from kvpack.node.common import load_engine
+    from kvpack.node.producer import ProducerNode
+    from kvpack.node.receiver import ReceiverNode
+    from kvpack.security.config import load_receiver_config
+    from kvpack.security.tls import connect
+    from tests.node.helpers import Enrolled
+
+    engine = load_engine("arrays:4:2:8")
+    enrolled = Enrolled(str(tmp_path / "cluster"), engine)
+    rcfg, pcfg = enrolled.receiver_config(), enrolled.producer_config()
+    tap: list[bytearray] = [bytearray()]
+    producer = ProducerNode(pcfg, load_engine("arrays:4:2:8"), receipts_dir=str(tmp_path / "p"), wire_tap=lambda b: tap[0].extend(b)).start()
+    counter = itertools.count(1)
+
+    def receiver(cfg=rcfg) -> ReceiverNode:
+        node = ReceiverNode(cfg, engine, receipts_dir=str(tmp_path / "r"))
+        node._new_request_id = lambda t0: f"ext-{t0}-{next(counter)}"  # ids outside muser-: unbound transfers
+        return node.start()
+
+    def replay(node: ReceiverNode, captured: bytes, prompt, endpoint=None) -> ProtocolError:
+        pending = node.expect(f"ext-replay-{next(counter)}", prompt, wait_s=3.0)
+        ch = connect(endpoint or pcfg.data_endpoint("decode-a"), "127.0.0.1", node.data_port)
+        try:
+            ch.sendall(captured)
+            ch.settimeout(10)
+            assert ch.recv(4096) == b""  # dropped, never acknowledged
+        except (OSError, KvpackError):
+            pass
+        finally:
+            ch.close()
+        with pytest.raises(ProtocolError) as info:
+            node.wait(pending)
+        return info.value
+
+    first, second = list(range(1, 200)), list(range(300, 500))
+    node = receiver()
+    try:
+        node.generate(first, 2)  # generation 1
+        old = read(rcfg.replay_ledger)  # an operator's backup of the ledger at watermark 1
+        tap[0] = bytearray()
+        res = node.generate(second, 2)  # generation 2: captured on the wire
+        captured = bytes(tap[0])
+        assert res["transfer"]["transfer_id"].startswith("ext-") and res["transfer"]["generation"] == 2
+        assert replay(node, captured, second).category == "replay"
+    finally:
+        node.stop()
+    good = read(rcfg.replay_ledger)
+    for tamper in (lambda p: os.unlink(p), lambda p: _rewrite(p, old), lambda p: _rewrite(p, EMPTY)):
+        tamper(rcfg.replay_ledger)
+        before = read(rcfg.replay_ledger) if os.path.exists(rcfg.replay_ledger) else None
+        with pytest.raises(SecurityError) as info:
+            receiver()
+        assert info.value.category == "rollback" and "\n" not in str(info.value)
+        assert (read(rcfg.replay_ledger) if os.path.exists(rcfg.replay_ledger) else None) == before  # untouched
+        _rewrite(rcfg.replay_ledger, good)
+        os.chmod(rcfg.replay_ledger, 0o600)
+    # recovery 1: an explicit, logged, forward-only reset; the captured transfer stays refused
+    _rewrite(rcfg.replay_ledger, old)
+    assert kvpack_main(["ledger", "show", "--config", rcfg.path]) == 1
+    assert kvpack_main(["ledger", "reset", "--config", rcfg.path, "--min-generation", "1", "--reason", "test"]) == 0
+    node = receiver()
+    try:
+        live = (list(node.session.tokens), node.session.cache_digest())
+        assert replay(node, captured, second).category == "replay"
+        assert (list(node.session.tokens), node.session.cache_digest()) == live
+    finally:
+        node.stop()
+    # recovery 2: a new HMAC epoch (enrollment --rotate); the captured epoch-1 transfer is refused
+    os.unlink(rcfg.replay_ledger)
+    with pytest.raises(SecurityError):
+        receiver()
+    assert kvpack_main(["enroll", "node", enrolled.root, "decode-a", "--rotate"]) == 0
+    rotated = load_receiver_config(rcfg.path)
+    assert rotated.minimum_hmac_epoch == 2
+    node = receiver(rotated)
+    try:
+        # the producer's credentials as re-issued by the rotation (the new receiver leaf is pinned)
+        err = replay(node, captured, second, enrolled.producer_config().data_endpoint("decode-a"))
+        assert "HMAC epoch 1 is below the configured minimum 2" in err.message, err
+        assert node.session.position == 0  # nothing installed
+    finally:
+        node.stop()
+        producer.stop()

@@ -27,7 +27,18 @@ Rules:
   to be durable would admit replays after the next crash;
 * concurrency: one lock serialises admissions within the process; an exclusive ``flock`` on a
   sibling lock file refuses a second process (or a second open) on the same ledger, since two
-  writers would each believe their own watermark.
+  writers would each believe their own watermark;
+* rollback detection (:mod:`.ledger_witness`): every reservation also records its watermark in
+  ``<ledger>.witness`` (after the ledger is durable, so the witness never exceeds it; its rename
+  becomes durable with the next reservation's directory fsync or at close, so after a power loss
+  it may trail the ledger by one reservation). :meth:`ReplayLedger.open` refuses (``rollback``)
+  a ledger that is missing, older or emptied against its witness, or a non-empty ledger without
+  one. Recovery is an operator's act: a new HMAC epoch (enrollment ``--rotate``: older epochs are
+  not compared, their seals are refused anyway) or :func:`reset_ledger` (``kvpack ledger
+  reset``), which only moves watermarks forward and appends to ``<ledger>.resets.log``;
+* the degraded latch can be cleared without a restart by :meth:`ReplayLedger.clear_degraded`,
+  given a fresh passing probe of the ledger's volume (:mod:`.probe`); it re-reads the file and
+  refuses if it went backwards.
 
 The pure rules (:func:`admission_refusal`, :func:`encode_ledger`, :func:`decode_ledger`) are
 separate from :class:`ReplayLedger`, which does the file I/O.
@@ -35,17 +46,27 @@ separate from :class:`ReplayLedger`, which does the file I/O.
 
 from __future__ import annotations
 
+import datetime as _dt
 import errno
 import fcntl
+import getpass
 import json
+import logging
 import os
 import re
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from typing import Any, Optional
 
-from ..durable import REAL_OPS, FileOps, atomic_write, ensure_dir
+from .. import strictjson
+from ..durable import REAL_OPS, FileOps, atomic_write, ensure_dir, sync_dir
 from ..errors import DurableIOError, SecurityError
+from .ledger_witness import decode_witness, encode_witness, merge, rollback_refusal, witness_path
+from .probe import PROBE_MAX_TAIL_MS, ProbeResult
 from .secret_files import read_protected_file
+
+log = logging.getLogger("kvpack.security.ledger")
+RESET_LOG_SUFFIX = ".resets.log"
 
 U64_MAX = (1 << 64) - 1
 #: Bound on the ledger file: one key_id:epoch entry is < 200 bytes; this allows ~80k of them.
@@ -114,27 +135,10 @@ def encode_ledger(highest: Mapping[str, int]) -> bytes:
     return body.encode("utf-8") + b"\n"
 
 
-def _no_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
-    out: dict[str, object] = {}
-    for key, value in pairs:
-        if key in out:
-            raise ValueError(f"duplicate key {key!r}")
-        out[key] = value
-    return out
-
-
-def _refuse_constant(name: str) -> object:
-    raise ValueError(f"{name} is not JSON")
-
-
 def decode_ledger(data: bytes, *, source: str = "replay ledger") -> dict[str, int]:
     """Parse ledger bytes strictly (deny unknown fields, u64 values); return the watermarks."""
     try:
-        obj = json.loads(
-            data.decode("utf-8"),
-            object_pairs_hook=_no_duplicates,
-            parse_constant=_refuse_constant,
-        )
+        obj = strictjson.loads(data)
     except (UnicodeDecodeError, ValueError) as exc:
         raise SecurityError("ledger", f"{source} is not valid ledger JSON: {exc}") from None
     if not isinstance(obj, dict) or set(obj) != {"highest_generation"}:
@@ -154,19 +158,20 @@ _STALE_TEMP = re.compile(r"^\.(?P<name>.+)\.[0-9a-f]{16}\.tmp$")
 
 
 class ReplayLedger:
-    """A replay ledger file, opened exclusively by this process.
+    """A replay ledger file and its rollback witness, opened exclusively by this process.
 
     Use :meth:`open`; call :meth:`admit` when a begin arrives and :meth:`reserve` after the seal
     verified and before anything is published or acknowledged. :meth:`close` releases the lock
     (a process exit releases it too).
     """
 
-    def __init__(self, path: str, *, minimum_epoch: int, ops: FileOps, lock_fd: int, highest: dict[str, int]) -> None:
+    def __init__(self, path: str, *, minimum_epoch: int, ops: FileOps, lock_fd: int, highest: dict[str, int], witness: Optional[dict[str, int]] = None) -> None:
         self.path = path
         self.minimum_epoch = minimum_epoch
         self._ops = ops
         self._lock_fd = lock_fd
         self._highest = highest
+        self._witness = dict(highest) if witness is None else witness
         self._degraded: str | None = None
         self._mutex = threading.Lock()
 
@@ -179,7 +184,7 @@ class ReplayLedger:
         minimum_epoch: int = 1,
         ops: FileOps = REAL_OPS,
     ) -> "ReplayLedger":
-        """Lock, load (or create empty) the ledger at ``path``."""
+        """Lock, load (or create empty) the ledger at ``path``; refuse a rolled-back one."""
         if not _is_u64(minimum_epoch) or minimum_epoch < 1:
             raise SecurityError("config", f"minimum_hmac_epoch must be >= 1, got {minimum_epoch!r}")
         target = os.path.abspath(os.fspath(path))
@@ -191,19 +196,11 @@ class ReplayLedger:
         lock_fd = _acquire_lock(os.path.join(directory, f".{name}.lock"), target)
         try:
             _remove_stale_temps(directory, name)
-            if os.path.lexists(target):
-                data = read_protected_file(target, what="replay ledger", max_size=LEDGER_MAX_BYTES, category="ledger")
-                highest = decode_ledger(data, source=f"replay ledger {target!r}")
-            else:
-                highest = {}
-                try:
-                    atomic_write(target, encode_ledger(highest), ops=ops)
-                except DurableIOError as exc:
-                    raise SecurityError("ledger", f"cannot create the replay ledger {target!r}: {exc}") from exc
+            highest, witness = _load_checked(target, minimum_epoch, ops)
         except BaseException:
             os.close(lock_fd)
             raise
-        return cls(target, minimum_epoch=minimum_epoch, ops=ops, lock_fd=lock_fd, highest=highest)
+        return cls(target, minimum_epoch=minimum_epoch, ops=ops, lock_fd=lock_fd, highest=highest, witness=witness)
 
     # -- queries -------------------------------------------------------------------------------
     @property
@@ -218,6 +215,10 @@ class ReplayLedger:
     def snapshot(self) -> dict[str, int]:
         with self._mutex:
             return dict(self._highest)
+
+    def witness_snapshot(self) -> dict[str, int]:
+        with self._mutex:
+            return dict(self._witness)
 
     # -- admission and reservation --------------------------------------------------------------
     def _refuse_if_inadmissible(self, key_id: str, epoch: int, generation: int) -> None:
@@ -243,9 +244,10 @@ class ReplayLedger:
     def reserve(self, key_id: str, epoch: int, generation: int) -> None:
         """Admit again and durably record ``generation`` as the new watermark.
 
-        Returns only once the watermark is on disk (file and directory fsynced). Any failure
-        latches the ledger degraded and raises ``SecurityError('degraded')``: the caller must not
-        publish or acknowledge the transfer.
+        Returns only once the watermark is on disk (file and directory fsynced) and the witness
+        records it (its rename made durable by the next directory fsync). Any failure latches the
+        ledger degraded and raises ``SecurityError('degraded')``: the caller must not publish or
+        acknowledge the transfer.
         """
         self._ensure_open()
         _check_admission_args(key_id, epoch, generation)
@@ -253,17 +255,50 @@ class ReplayLedger:
             self._refuse_if_inadmissible(key_id, epoch, generation)
             proposed = dict(self._highest)
             proposed[ledger_key(key_id, epoch)] = generation
+            witness = merge(self._witness, proposed)
             try:
                 atomic_write(self.path, encode_ledger(proposed), ops=self._ops)
+                self._highest = proposed
+                # After the ledger, never before: the witness must not exceed the durable ledger.
+                atomic_write(witness_path(self.path), encode_witness(os.path.basename(self.path), witness), ops=self._ops, sync_dir=False)
+                self._witness = witness
             except Exception as exc:  # noqa: BLE001 - any failure to be durable latches
                 self._degraded = f"{type(exc).__name__}: {exc}"
                 raise SecurityError(
                     "degraded",
                     f"durable reservation of generation {generation} for "
                     f"{ledger_key(key_id, epoch)} failed ({exc}); the ledger is latched "
-                    "degraded until restart",
+                    "degraded until restart or a fresh volume probe (clear_degraded)",
                 ) from exc
-            self._highest = proposed
+
+    def clear_degraded(self, probe: ProbeResult, *, max_tail_ms: float = PROBE_MAX_TAIL_MS) -> None:
+        """Lift the degraded latch without a restart, given a *fresh, passing* probe of this
+        ledger's directory (the hook the node tier calls after re-probing its volume).
+
+        The file is re-read first: a failed reservation may have left the new watermark on disk
+        (rename done, directory fsync failed), and that higher value is kept; a file *below* what
+        this process reserved refuses (``rollback``) and stays latched. The witness is rewritten
+        durably. Nothing is done while healthy.
+        """
+        self._ensure_open()
+        directory = os.path.dirname(self.path)
+        if probe.directory != directory or not probe.samples_ms or probe.max_ms > max_tail_ms:
+            raise SecurityError("volume", f"clear_degraded needs a passing probe of {directory!r} (got {probe.directory!r}, worst {probe.max_ms:.1f} ms)")
+        with self._mutex:
+            if self._degraded is None:
+                return
+            on_disk = read_ledger_file(self.path)
+            refusal = rollback_refusal(on_disk, self._highest, minimum_epoch=1, ledger_path=self.path)
+            if refusal is not None:
+                raise refusal
+            highest = merge(self._highest, on_disk or {})
+            witness = merge(self._witness, highest)
+            try:
+                atomic_write(witness_path(self.path), encode_witness(os.path.basename(self.path), witness), ops=self._ops)
+            except DurableIOError as exc:
+                raise SecurityError("degraded", f"the ledger volume still fails ({exc}); the ledger stays degraded") from exc
+            log.warning("replay ledger %s: degraded latch cleared after a passing volume probe (was: %s)", self.path, self._degraded)
+            self._highest, self._witness, self._degraded = highest, witness, None
 
     # -- lifetime --------------------------------------------------------------------------------
     def _ensure_open(self) -> None:
@@ -272,8 +307,13 @@ class ReplayLedger:
 
     def close(self) -> None:
         if self._lock_fd >= 0:
-            os.close(self._lock_fd)  # closing the descriptor releases the flock
-            self._lock_fd = -1
+            fd, self._lock_fd = self._lock_fd, -1
+            try:
+                sync_dir(os.path.dirname(self.path), ops=self._ops)  # the last witness rename
+            except DurableIOError:
+                pass  # it trails by one reservation at worst (a lower bound stays a lower bound)
+            finally:
+                os.close(fd)  # closing the descriptor releases the flock
 
     def __enter__(self) -> "ReplayLedger":
         return self
@@ -283,9 +323,59 @@ class ReplayLedger:
 
     def __del__(self) -> None:  # pragma: no cover - best effort for forgotten ledgers
         try:
-            self.close()
+            if self._lock_fd >= 0:
+                os.close(self._lock_fd)
+                self._lock_fd = -1
         except Exception:
             pass
+
+
+# -- loading, with the rollback check -------------------------------------------------------------
+
+
+def read_ledger_file(target: str) -> Optional[dict[str, int]]:
+    """The ledger's watermarks, or None when there is no file (refusals as at open)."""
+    if not os.path.lexists(target):
+        return None
+    data = read_protected_file(target, what="replay ledger", max_size=LEDGER_MAX_BYTES, category="ledger")
+    return decode_ledger(data, source=f"replay ledger {target!r}")
+
+
+def read_witness_file(target: str) -> Optional[dict[str, int]]:
+    """The witness of the ledger at ``target``, or None when there is none."""
+    wpath = witness_path(target)
+    if not os.path.lexists(wpath):
+        return None
+    data = read_protected_file(wpath, what="replay ledger witness", max_size=LEDGER_MAX_BYTES, category="ledger")
+    return decode_witness(data, os.path.basename(target), source=f"ledger witness {wpath!r}")
+
+
+def _write(path: str, data: bytes, ops: FileOps, what: str) -> None:
+    try:
+        atomic_write(path, data, ops=ops)
+    except DurableIOError as exc:
+        raise SecurityError("ledger", f"cannot write the {what} {path!r}: {exc}") from exc
+
+
+def _load_checked(target: str, minimum_epoch: int, ops: FileOps) -> tuple[dict[str, int], dict[str, int]]:
+    """Read ledger and witness, refuse a rollback, create what is missing (witness first, so a
+    crash in between leaves an empty witness, which proves nothing and refuses nothing)."""
+    ledger = read_ledger_file(target)
+    witness = read_witness_file(target)
+    refusal = rollback_refusal(ledger, witness, minimum_epoch=minimum_epoch, ledger_path=target)
+    if refusal is not None:
+        raise refusal
+    name = os.path.basename(target)
+    if witness is None:
+        witness = {}
+        _write(witness_path(target), encode_witness(name, witness), ops, "replay ledger witness")
+    if ledger is None:
+        ledger = {}
+        _write(target, encode_ledger(ledger), ops, "replay ledger")
+    merged = merge(witness, ledger)
+    if merged != witness:  # the witness trailed (a crash before its rename was durable)
+        _write(witness_path(target), encode_witness(name, merged), ops, "replay ledger witness")
+    return ledger, merged
 
 
 def _acquire_lock(lock_path: str, target: str) -> int:
@@ -318,15 +408,95 @@ def _acquire_lock(lock_path: str, target: str) -> int:
 
 
 def _remove_stale_temps(directory: str, name: str) -> None:
-    """Remove temp files a crashed reservation left behind (we hold the lock, so none is live)."""
+    """Remove temp files a crashed write left behind (we hold the lock, so none is live)."""
+    ours = {name, name + ".witness", name + RESET_LOG_SUFFIX}
     try:
         entries = os.listdir(directory)
     except OSError:
         return
     for entry in entries:
         match = _STALE_TEMP.match(entry)
-        if match and match.group("name") == name:
+        if match and match.group("name") in ours:
             try:
                 os.unlink(os.path.join(directory, entry))
             except OSError:
                 pass
+
+
+# -- the operator's forward-only reset ----------------------------------------------------------------
+
+
+def _read_leniently(read: Any, target: str, notes: list[str]) -> dict[str, int]:
+    """A reset must work on a damaged ledger or witness: unreadable counts as empty (and is
+    logged); the operator's --min-generation is the floor then."""
+    try:
+        return read(target) or {}
+    except SecurityError as exc:
+        notes.append(f"{exc.category}: {exc.message}")
+        return {}
+
+
+def reset_ledger(
+    path: str | os.PathLike[str],
+    *,
+    min_generation: int,
+    spaces: Sequence[str] = (),
+    reason: str = "",
+    ops: FileOps = REAL_OPS,
+) -> dict[str, Any]:
+    """Move watermarks forward, never back: each named counter space (default: every one in
+    the ledger or its witness) becomes ``max(ledger, witness, min_generation)``. Writes the
+    ledger, then its witness, then appends one JSON line to ``<ledger>.resets.log``; refuses
+    while a receiver holds the ledger. Returns what it did (also the log line)."""
+    if not _is_u64(min_generation) or min_generation < 1:
+        raise SecurityError("config", f"--min-generation must be a u64 >= 1, got {min_generation!r}")
+    target = os.path.abspath(os.fspath(path))
+    directory, name = os.path.split(target)
+    if not os.path.isdir(directory):
+        raise SecurityError("ledger", f"ledger directory {directory!r} does not exist")
+    lock_fd = _acquire_lock(os.path.join(directory, f".{name}.lock"), target)
+    try:
+        _remove_stale_temps(directory, name)
+        notes: list[str] = []
+        before = _read_leniently(read_ledger_file, target, notes)
+        witness = _read_leniently(read_witness_file, target, notes)
+        chosen = sorted(set(spaces) or set(before) | set(witness))
+        if not chosen:
+            raise SecurityError("config", "the ledger and its witness name no counter space: give one with --key KEY_ID:EPOCH")
+        after = dict(before)
+        for space in chosen:
+            after[space] = max(before.get(space, 0), witness.get(space, 0), min_generation)
+        entry = {
+            "time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "pid": os.getpid(),
+            "user": _user(),
+            "ledger": target,
+            "min_generation": min_generation,
+            "spaces": chosen,
+            "before": before,
+            "witness_before": witness,
+            "after": after,
+            "reason": reason,
+            "notes": notes,
+        }
+        _write(target, encode_ledger(after), ops, "replay ledger")
+        _write(witness_path(target), encode_witness(name, merge(witness, after)), ops, "replay ledger witness")
+        _append_log(target + RESET_LOG_SUFFIX, entry, ops)
+        log.warning("replay ledger %s reset forward: %s", target, json.dumps(entry, sort_keys=True))
+        return entry
+    finally:
+        os.close(lock_fd)
+
+
+def _user() -> str:
+    try:
+        return getpass.getuser()
+    except Exception:  # noqa: BLE001 - no user name is not a reason to refuse a reset
+        return f"uid {os.getuid()}"
+
+
+def _append_log(log_path: str, entry: dict[str, Any], ops: FileOps) -> None:
+    old = b""
+    if os.path.lexists(log_path):
+        old = read_protected_file(log_path, what="ledger reset log", max_size=LEDGER_MAX_BYTES, category="ledger")
+    _write(log_path, old + json.dumps(entry, sort_keys=True).encode() + b"\n", ops, "ledger reset log")
