@@ -14,6 +14,10 @@ silent, see docs/store.md).
   ``(layers, "logits")``, span ``(cut-1, 1, 0, 32 + 4*vocab)``) whose plaintext is the
   manifest id followed by the f32 row: the content id (keyed HMAC over position and
   plaintext) binds it to that very manifest.
+* A *prefix cut* (saved by engines that never expose the row at a cut, vLLM) has the same
+  object with the manifest id alone as plaintext (span ``(cut-1, 1, 0, 32)``): every committed
+  cut keeps one authenticated object bound to its manifest, and a full cut cannot be turned
+  into a prefix cut (or back) without the keys.
 """
 
 from __future__ import annotations
@@ -59,8 +63,9 @@ def logits_key(layout: CacheLayout) -> StateKey:
     return StateKey(layout.logits_layer, LOGITS_NAME)
 
 
-def logits_span(layout: CacheLayout, cut: int) -> Span:
-    return Span(cut - 1, 1, 0, 32 + layout.logits_bytes)
+def logits_span(layout: CacheLayout, cut: int, *, prefix_only: bool = False) -> Span:
+    """The logits object's span; a prefix cut's object (no row) holds the manifest id only."""
+    return Span(cut - 1, 1, 0, 32 + (0 if prefix_only else layout.logits_bytes))
 
 
 def logits_family(layer: int, plaintext_bytes: int, family: Family) -> Family:

@@ -38,7 +38,7 @@ from ..engine.contract import CacheLayout, IdentityIds
 from ..engine.restore import Buffer, ChunkJob, RestoreTuning, default_workers, install_chunks
 from ..errors import FormatError, StoreError
 from ..format import constants as C
-from ..format.chunk import decode_chunk, verify_chunk_standalone
+from ..format.chunk import ChunkHeader, decode_chunk, verify_chunk_standalone
 from ..format.identity import PrefixChain, auxiliary_root, prefix_context
 from ..format.keys import KeySchedule
 from ..format.objects import ChunkRef, Family, Manifest, Span, StateKey
@@ -49,6 +49,8 @@ from .mapping import LOGITS_NAME, family_for, logits_family, semantic_id, tenant
 STORE_FORMAT = "kvpack-store"
 STORE_VERSION = 1
 DEFAULT_CHUNK_BYTES = C.MAX_CHUNK_PLAINTEXT
+#: plaintext bytes of a prefix cut's logits object: the manifest id alone, no row
+PREFIX_MARKER_BYTES = 32
 
 
 def chunk_name(content_id: bytes) -> str:
@@ -251,9 +253,20 @@ class PackStore:
         return self.env.exists(pack_name(mid)) and self.env.exists(logits_name(mid))
 
     # -- lookup ----------------------------------------------------------------------------
-    def find_deepest(self, tokens: Sequence[int], layout: CacheLayout, ids: IdentityIds, aux: Sequence[tuple[bytes, bytes]] = ()) -> Hit | None:
+    def find_deepest(
+        self,
+        tokens: Sequence[int],
+        layout: CacheLayout,
+        ids: IdentityIds,
+        aux: Sequence[tuple[bytes, bytes]] = (),
+        *,
+        require_logits: bool = True,
+    ) -> Hit | None:
         """The deepest committed cut reusable for ``tokens`` under this exact identity:
-        a 256-aligned prefix, or the whole token sequence. ``None`` is a miss."""
+        a 256-aligned prefix, or the whole token sequence. ``None`` is a miss.
+
+        ``require_logits=False`` also offers *prefix cuts* (saved with ``prefix_only``: no
+        final-logits row, installable only as a prefix that the engine extends)."""
         if not tokens:
             return None
         ctx = self.context(layout, ids, aux)
@@ -266,8 +279,20 @@ class PackStore:
             except StoreError:
                 continue  # a malformed entry is not a hit (repair drops it)
             if mid is not None and self._complete(mid):
+                if require_logits and self._is_prefix_cut(mid):
+                    continue
                 return Hit(mid, node.cumulative_count, node.node_id)
         return None
+
+    def _is_prefix_cut(self, mid: bytes) -> bool:
+        """Whether the cut's logits object is a prefix marker (its plaintext is the manifest
+        id alone). Reads the fixed header only; an unreadable object is not a prefix cut here
+        (restore verifies it and refuses)."""
+        try:
+            head = self.env.read_range(logits_name(mid), 0, C.HEADER_BYTES)
+            return len(head) == C.HEADER_BYTES and ChunkHeader.parse(head).plaintext_bytes == PREFIX_MARKER_BYTES
+        except (ObjectMissing, OSError, FormatError):
+            return False
 
     # -- save (kvpack.store.publish) ---------------------------------------------------------
     def save(self, session: Any, **kw: Any) -> SaveReport:
@@ -310,10 +335,12 @@ class PackStore:
         if top.cut.token_root != node_id:
             raise StoreError("corrupt", f"index entry {node_id.hex()} names manifest {manifest_id.hex()} of another cut")
 
-    def restore(self, hit: Hit, session: Any, tokens: Sequence[int], *, aux: Sequence[tuple[bytes, bytes]] = ()) -> RestoreReport:
+    def restore(self, hit: Hit, session: Any, tokens: Sequence[int], *, aux: Sequence[tuple[bytes, bytes]] = (), require_logits: bool = True) -> RestoreReport:
         """Verify every byte of the cut (packs, chunks, logits) and install it atomically.
 
-        Any mismatch refuses with StoreError and the live session is left untouched."""
+        Any mismatch refuses with StoreError and the live session is left untouched. A prefix
+        cut (no logits row) is a ``miss`` unless ``require_logits=False``; it is then committed
+        with ``install.commit(require_logits=False)``."""
         t0 = time.perf_counter()
         layout: CacheLayout = session.layout
         ids = _engine_ids(session)
@@ -334,8 +361,15 @@ class PackStore:
             try:
                 result = install_chunks(self._jobs(chain, install), _EnvChunks(self, ctx), install, layout, self.tuning)
                 t_chunks = time.perf_counter()
-                install.write_logits(self._read_logits(hit.manifest_id, top))
-                install.commit()
+                logits = self._read_logits(hit.manifest_id, top)
+                if logits:
+                    install.write_logits(logits)
+                    install.commit()
+                elif require_logits:
+                    # a miss, not a damaged cut: healing callers must not quarantine it
+                    raise StoreError("miss", f"cut {hit.manifest_id.hex()} is a prefix cut (saved without its final-logits row)")
+                else:
+                    install.commit(require_logits=False)
             except BaseException as exc:
                 install.abort()
                 if isinstance(exc, FormatError):
@@ -385,14 +419,14 @@ class PackStore:
 
     # -- healing (kvpack.store.maintenance) ----------------------------------------------------
     def restore_healing(
-        self, hit: Hit, session: Any, tokens: Sequence[int], *, aux: Sequence[tuple[bytes, bytes]] = ()
+        self, hit: Hit, session: Any, tokens: Sequence[int], *, aux: Sequence[tuple[bytes, bytes]] = (), require_logits: bool = True
     ) -> tuple[RestoreReport | None, dict | None]:
         """:meth:`restore`, except that a cut failing verification (``corrupt`` or
         ``incomplete``) is quarantined with a receipt and comes back as a miss
         ``(None, receipt)``; the live session is untouched either way. Other refusals (I/O,
         lock, usage) propagate: they say nothing about the stored bytes."""
         try:
-            return self.restore(hit, session, tokens, aux=aux), None
+            return self.restore(hit, session, tokens, aux=aux, require_logits=require_logits), None
         except StoreError as exc:
             if exc.category == "miss":
                 return None, None

@@ -43,6 +43,7 @@ def save(
     logits: bytes | memoryview | None = None,
     aux: Sequence[tuple[bytes, bytes]] = (),
     max_delta_depth: int = C.MAX_DELTA_DEPTH,
+    prefix_only: bool = False,
 ) -> SaveReport:
     """Publish a cut of the session.
 
@@ -50,12 +51,18 @@ def save(
     row. An earlier ``cut`` may be saved with the ``logits`` row captured at that point
     (e.g. at each 256-token boundary during prefill), provided every layer still holds
     the rows the cut needs (always true for full-span layers).
+
+    ``prefix_only=True`` saves a *prefix cut* for engines that never expose the logits row
+    at a cut (vLLM): its logits object carries the manifest id alone (a prefix marker,
+    authenticated and bound to the manifest like a row), so the cut is found only by
+    ``find_deepest(require_logits=False)`` and restored only by
+    ``restore(require_logits=False)``, as a prefix the engine extends by computing.
     """
     t0 = time.perf_counter()
     layout: CacheLayout = session.layout
     ids = _engine_ids(session)
     cut = session.position if cut is None else cut
-    logits = _checked_logits(session, layout, cut, logits)
+    logits = _checked_logits(session, layout, cut, logits, prefix_only)
     ctx = store.context(layout, ids, aux)
     chain = store._chain(ctx, session.tokens[:cut])
     node = chain.nodes[-1]
@@ -89,15 +96,20 @@ def save(
     return report
 
 
-def _checked_logits(session: Any, layout: CacheLayout, cut: int, logits: bytes | memoryview | None) -> bytes | memoryview:
-    """Refuse early what could never be a complete cut (nothing is written before this)."""
+def _checked_logits(session: Any, layout: CacheLayout, cut: int, logits: bytes | memoryview | None, prefix_only: bool) -> bytes | memoryview:
+    """Refuse early what could never be a complete cut (nothing is written before this).
+    A prefix cut's row is empty (its logits object holds the manifest id alone)."""
     if not 0 < cut <= session.position:
         raise StoreError("usage", f"cannot save cut {cut} of a session at position {session.position}")
-    if logits is None:
+    if prefix_only:
+        if logits is not None:
+            raise StoreError("usage", "a prefix cut carries no logits row")
+        logits = b""
+    elif logits is None:
         if cut != session.position:
             raise StoreError("incomplete", "an earlier cut needs the logits row captured at that cut")
         logits = session.export_logits()  # refuse early: a cut without its logits is never written
-    if memoryview(logits).nbytes != layout.logits_bytes:
+    if not prefix_only and memoryview(logits).nbytes != layout.logits_bytes:
         raise StoreError("incomplete", "final-logits row has the wrong size")
     for spec in layout.layers:
         need_lo = spec.retained_range(cut)[0]
@@ -154,7 +166,7 @@ def _logits_object(store: PackStore, ctx: _Context, layout: CacheLayout, cut: in
         keys=store.keys,
         family_digest=ctx.family_digest,
         key=logits_key(layout),
-        span=logits_span(layout, cut),
+        span=logits_span(layout, cut, prefix_only=not memoryview(logits).nbytes),
         plaintext=mid + bytes(logits),
         codec=C.CODEC_RAW,
         encrypted=store.encrypted,
