@@ -65,7 +65,16 @@ class Node:
     """One decode node: config, home, and its ``kvpack decode-node-api`` process."""
 
     def __init__(
-        self, root: Path, cluster: Path, name: str, *, tls: bool = True, peer_key: bool = True, ssh_identity: str | None = None, engine: dict | None = None
+        self,
+        root: Path,
+        cluster: Path,
+        name: str,
+        *,
+        tls: bool = True,
+        peer_key: bool = True,
+        ssh_identity: str | None = None,
+        engine: dict | None = None,
+        extra: dict | None = None,
     ) -> None:
         self.name = name
         self.port = free_port()
@@ -90,6 +99,7 @@ class Node:
             cfg["peer_ca"] = str(tls_dir / "ca.crt")
         if ssh_identity:
             cfg["ssh_identity_file"] = ssh_identity
+        cfg.update(extra or {})
         self.config = str(self.dir / "node.json")
         Path(self.config).write_text(json.dumps(cfg, indent=2))
         self.ca = str(tls_dir / "ca.crt")

@@ -208,3 +208,29 @@ def test_row_source_delete_fails(nodes):
     rc, view = a.reconcile_cli(tid)
     assert rc == 0 and view["status"] == "completed"
     check_settled_move(a, b, SID, tid, digest)
+
+
+def test_row_destination_crash_mid_upload_durable_offset_lag(nodes, record_property):
+    """B is SIGKILLed mid-upload (after writing ``kill_at`` bytes): its durable offset trails
+    what it had written by less than one checkpoint (1 MiB in these nodes) plus one network read
+    (<= 256 KiB), and the reconciled transfer resumes from it."""
+    kill_at = 3 * 1024 * 1024 + 300 * 1024
+    a, b, digest = start_pair(nodes, b_fp=f"dest.upload=kill@{kill_at}")
+    tid = "xfer-dest-mid-upload"
+    assert a.migrate(SID, b.url, "move", tid).status_code == 202
+    assert b.wait_dead() == -9
+    written = (b.home / "session-transfers" / f".{tid}.incoming").stat().st_size
+    received = b.journal(tid)["received"]
+    lag = written - received
+    assert written >= kill_at and 0 <= lag < 1024 * 1024 + 256 * 1024, (written, received)
+    assert a.wait_final(tid)["status"] == "ambiguous" and a.has_session(SID)
+    check_invariants(a, b, SID, tid)
+    b.start()
+    rc, view = a.reconcile_cli(tid)
+    assert rc == 0 and view["status"] == "completed", view
+    notes = [h["note"] for h in b.journal(tid)["history"]]
+    assert any(n == f"payload verified ({b.journal(tid)['bytes']} bytes, resumed from {received})" for n in notes), notes
+    check_settled_move(a, b, SID, tid, digest)
+    figures = {"written_at_crash": written, "durable_offset": received, "lag_bytes": lag, "checkpoint_bytes": 1024 * 1024}
+    record_property("dest_crash_figures", json.dumps(figures))
+    print("DEST CRASH FIGURES", json.dumps(figures))
