@@ -253,8 +253,24 @@ def create_app(svc: Any, limits: ApiLimits | None = None) -> tuple[AuthTlsMiddle
         redoc_url=None,
         description="Session migration (INTEROP.md PART D) and the node's session registry.",
     )
-    payload_slots = asyncio.Semaphore(PAYLOAD_CONCURRENCY)
     body_s = (limits or ApiLimits()).json_body_timeout_s
+    _error_handlers(app)
+    _public_routes(app, svc, body_s)
+    _internal_routes(app, svc, body_s)
+    _session_routes(app, svc, body_s)
+    return AuthTlsMiddleware(app, svc.api_key), app
+
+
+async def _call(fn: Any, *args: Any, kind: str) -> Any:
+    """Run ``fn`` on the thread pool; a KvpackError becomes the route's ApiError."""
+    try:
+        return await run_in_threadpool(fn, *args)
+    except KvpackError as exc:
+        raise _map(exc, kind) from None
+
+
+def _error_handlers(app: FastAPI) -> None:
+    """Every error leaves as the D.1 body; anything unhandled is logged and answered 500."""
 
     @app.exception_handler(ApiError)
     async def _api_error(_request: Request, exc: ApiError):
@@ -274,11 +290,9 @@ def create_app(svc: Any, limits: ApiLimits | None = None) -> tuple[AuthTlsMiddle
         log.exception("unhandled error")
         return error_response(500, "internal_error", "internal error")
 
-    async def call(fn, *args, kind: str):
-        try:
-            return await run_in_threadpool(fn, *args)
-        except KvpackError as exc:
-            raise _map(exc, kind) from None
+
+def _public_routes(app: FastAPI, svc: Any, body_s: float) -> None:
+    """D.2 public routes and kvpack's reconcile/progress."""
 
     # -- D.2 public ---------------------------------------------------------------------------------
     @app.post(
@@ -292,23 +306,28 @@ def create_app(svc: Any, limits: ApiLimits | None = None) -> tuple[AuthTlsMiddle
     async def migrate(session_id: str, request: Request):
         _id(session_id, "session id")
         body = await _json_body(request, MigrateBody, timeout_s=body_s)
-        v = await call(svc.start_migration, session_id, body.destination, body.mode, body.tier, body.transfer_id, kind="invalid_request_error")
+        v = await _call(svc.start_migration, session_id, body.destination, body.mode, body.tier, body.transfer_id, kind="invalid_request_error")
         return JSONResponse(v, status_code=202)
 
     @app.get("/v1/session-transfers/{transfer_id}", response_model=TransferView, response_model_exclude_none=True, responses=_ERRORS)
     async def transfer_status(transfer_id: str):
         _id(transfer_id, "transfer id")
-        return JSONResponse(await call(svc.status, transfer_id, kind="transfer_error"))
+        return JSONResponse(await _call(svc.status, transfer_id, kind="transfer_error"))
 
     @app.post("/v1/session-transfers/{transfer_id}/reconcile", response_model=TransferView, response_model_exclude_none=True, responses=_ERRORS)
     async def transfer_reconcile(transfer_id: str):
         _id(transfer_id, "transfer id")
-        return JSONResponse(await call(svc.reconcile, transfer_id, kind="transfer_error"))
+        return JSONResponse(await _call(svc.reconcile, transfer_id, kind="transfer_error"))
 
     @app.get("/v1/session-transfers/{transfer_id}/progress", responses=_ERRORS)
     async def transfer_progress(transfer_id: str):
         _id(transfer_id, "transfer id")
-        return JSONResponse(await call(svc.progress_view, transfer_id, kind="transfer_error"))
+        return JSONResponse(await _call(svc.progress_view, transfer_id, kind="transfer_error"))
+
+
+def _internal_routes(app: FastAPI, svc: Any, body_s: float) -> None:
+    """D.3 internal routes (TLS only, enforced by the middleware)."""
+    payload_slots = asyncio.Semaphore(PAYLOAD_CONCURRENCY)
 
     # -- D.3 internal -------------------------------------------------------------------------------
     @app.post(
@@ -320,7 +339,7 @@ def create_app(svc: Any, limits: ApiLimits | None = None) -> tuple[AuthTlsMiddle
     )
     async def prepare(request: Request):
         body = await _json_body(request, PrepareBody, timeout_s=body_s)
-        return JSONResponse(await call(svc.prepare, body.model_dump(), kind="transfer_prepare_error"))
+        return JSONResponse(await _call(svc.prepare, body.model_dump(), kind="transfer_prepare_error"))
 
     @app.put(
         "/__kvpack/v1/session-transfers/{transfer_id}/payload",
@@ -345,12 +364,16 @@ def create_app(svc: Any, limits: ApiLimits | None = None) -> tuple[AuthTlsMiddle
     @app.get("/__kvpack/v1/session-transfers/{transfer_id}/payload", responses=_ERRORS)
     async def payload_offset(transfer_id: str):
         _id(transfer_id, "transfer id")
-        return JSONResponse(await call(svc.upload_offset, transfer_id, kind="transfer_error"))
+        return JSONResponse(await _call(svc.upload_offset, transfer_id, kind="transfer_error"))
 
     @app.post("/__kvpack/v1/session-transfers/{transfer_id}/commit", response_model=TransferView, response_model_exclude_none=True, responses=_ERRORS)
     async def commit(transfer_id: str):
         _id(transfer_id, "transfer id")
-        return JSONResponse(await call(svc.commit, transfer_id, kind="transfer_commit_error"))
+        return JSONResponse(await _call(svc.commit, transfer_id, kind="transfer_commit_error"))
+
+
+def _session_routes(app: FastAPI, svc: Any, body_s: float) -> None:
+    """kvpack's session registry routes."""
 
     # -- session registry (kvpack) --------------------------------------------------------------------
     @app.post("/v1/sessions", status_code=201, openapi_extra=_openapi_body(CreateSessionBody), responses=_ERRORS)
@@ -359,19 +382,19 @@ def create_app(svc: Any, limits: ApiLimits | None = None) -> tuple[AuthTlsMiddle
 
         body = await _json_body(request, CreateSessionBody, timeout_s=body_s)
         sid = body.session_id or new_session_id()
-        info = await call(lambda: svc.registry.create(sid, body.prompt_token_ids, messages=body.messages, seed=body.seed), kind="invalid_request_error")
+        info = await _call(lambda: svc.registry.create(sid, body.prompt_token_ids, messages=body.messages, seed=body.seed), kind="invalid_request_error")
         return JSONResponse(info, status_code=201)
 
     @app.get("/v1/sessions/{session_id}", responses=_ERRORS)
     async def session_info(session_id: str):
         _id(session_id, "session id")
-        return JSONResponse(await call(svc.registry.info, session_id, kind="invalid_request_error"))
+        return JSONResponse(await _call(svc.registry.info, session_id, kind="invalid_request_error"))
 
     @app.post("/v1/sessions/{session_id}/decode", openapi_extra=_openapi_body(DecodeBody), responses=_ERRORS)
     async def session_decode(session_id: str, request: Request):
         _id(session_id, "session id")
         body = await _json_body(request, DecodeBody, timeout_s=body_s)
-        return JSONResponse(await call(svc.registry.decode, session_id, body.tokens, kind="invalid_request_error"))
+        return JSONResponse(await _call(svc.registry.decode, session_id, body.tokens, kind="invalid_request_error"))
 
     @app.delete("/v1/sessions/{session_id}", responses=_ERRORS)
     async def session_delete(session_id: str):
@@ -386,9 +409,7 @@ def create_app(svc: Any, limits: ApiLimits | None = None) -> tuple[AuthTlsMiddle
             svc.registry.delete(session_id)
             return {"id": session_id, "deleted": True}
 
-        return JSONResponse(await call(drop, kind="invalid_request_error"))
-
-    return AuthTlsMiddleware(app, svc.api_key), app
+        return JSONResponse(await _call(drop, kind="invalid_request_error"))
 
 
 def server_ssl_context(tls: dict[str, str]):

@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import ssl
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -62,128 +62,136 @@ class _Counts:
             self.per_host.pop(host, None)
 
 
-def hardened_protocol(limits: ApiLimits, tls: Optional[ssl.SSLContext]) -> type[H11Protocol]:
-    """An :class:`H11Protocol` subclass enforcing ``limits``; ``tls``: the server context (None:
-    plain HTTP). Pass it as uvicorn's ``http`` protocol class, with uvicorn's own ``ssl`` unset."""
-    counts = _Counts()
+class HardenedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with the limits above; :func:`hardened_protocol` binds them."""
 
-    class HardenedH11Protocol(H11Protocol):
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            self._host: Optional[str] = None  # set once admitted (and counted)
-            self._http_started = False
-            self._early: list[bytes] = []
-            self._header_timer: Optional[asyncio.TimerHandle] = None
-            self._body_timer: Optional[asyncio.TimerHandle] = None
+    limits: ClassVar[ApiLimits] = ApiLimits()
+    tls: ClassVar[Optional[ssl.SSLContext]] = None
+    counts: ClassVar[_Counts]
 
-        # -- connection set-up: caps, then TLS under its own deadline ------------------------------------
-        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]  # as uvicorn's own
-            peer = transport.get_extra_info("peername")
-            host = str(peer[0]) if isinstance(peer, tuple) and peer else "?"
-            if not counts.admit(host, limits):
-                log.warning("refused a connection from %s: connection limit reached", host)
-                transport.abort()
-                return
-            self._host = host
-            if tls is None:
-                self._start_http(transport)
-            else:
-                self.loop.create_task(self._handshake(transport))
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._host: Optional[str] = None  # set once admitted (and counted)
+        self._http_started = False
+        self._early: list[bytes] = []
+        self._header_timer: Optional[asyncio.TimerHandle] = None
+        self._body_timer: Optional[asyncio.TimerHandle] = None
+        self._tls_task: Optional[asyncio.Task[None]] = None
 
-        async def _handshake(self, raw: asyncio.Transport) -> None:
-            try:
-                assert tls is not None
-                wrapped = await self.loop.start_tls(
-                    raw,
-                    self,
-                    tls,
-                    server_side=True,
-                    ssl_handshake_timeout=limits.tls_handshake_timeout_s,
-                )
-            except (OSError, ssl.SSLError, ConnectionError, asyncio.TimeoutError) as exc:
-                log.info("TLS handshake from %s failed: %s", self._host, exc)
-                raw.abort()
-                self._release()
-                return
-            if wrapped is None or wrapped.is_closing():
-                self._release()
-                return
-            self._start_http(wrapped)
+    # -- connection set-up: caps, then TLS under its own deadline ------------------------------------
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]  # as uvicorn's own
+        peer = transport.get_extra_info("peername")
+        host = str(peer[0]) if isinstance(peer, tuple) and peer else "?"
+        if not self.counts.admit(host, self.limits):
+            log.warning("refused a connection from %s: connection limit reached", host)
+            transport.abort()
+            return
+        self._host = host
+        if self.tls is None:
+            self._start_http(transport)
+        else:
+            self._tls_task = self.loop.create_task(self._handshake(transport))  # keep a reference
 
-        def _start_http(self, transport: asyncio.Transport) -> None:
-            super().connection_made(transport)
-            self._http_started = True
-            self._arm_header_deadline()
-            early, self._early = self._early, []
-            for data in early:
-                self.data_received(data)
-
-        def _release(self) -> None:
-            if self._host is not None:
-                counts.release(self._host)
-                self._host = None
-
-        def connection_lost(self, exc: Optional[Exception]) -> None:
+    async def _handshake(self, raw: asyncio.Transport) -> None:
+        try:
+            assert self.tls is not None
+            wrapped = await self.loop.start_tls(
+                raw,
+                self,
+                self.tls,
+                server_side=True,
+                ssl_handshake_timeout=self.limits.tls_handshake_timeout_s,
+            )
+        except (OSError, ssl.SSLError, ConnectionError, asyncio.TimeoutError) as exc:
+            log.info("TLS handshake from %s failed: %s", self._host, exc)
+            raw.abort()
             self._release()
-            self._cancel_timers()
-            if self._http_started:
-                super().connection_lost(exc)
+            return
+        if wrapped is None or wrapped.is_closing():
+            self._release()
+            return
+        self._start_http(wrapped)
 
-        # -- deadlines ------------------------------------------------------------------------------------
-        def _cancel_timers(self) -> None:
-            for timer in (self._header_timer, self._body_timer):
-                if timer is not None:
-                    timer.cancel()
-            self._header_timer = self._body_timer = None
+    def _start_http(self, transport: asyncio.Transport) -> None:
+        super().connection_made(transport)
+        self._http_started = True
+        self._arm_header_deadline()
+        early, self._early = self._early, []
+        for data in early:
+            self.data_received(data)
 
-        def _arm_header_deadline(self) -> None:
-            if self._header_timer is not None:
-                self._header_timer.cancel()
-            self._header_timer = self.loop.call_later(limits.header_timeout_s, self._on_header_deadline)
+    def _release(self) -> None:
+        if self._host is not None:
+            self.counts.release(self._host)
+            self._host = None
 
-        def _on_header_deadline(self) -> None:
-            self._header_timer = None
-            if not self.transport.is_closing():
-                log.info("closed a connection from %s: no complete request head within %gs", self._host, limits.header_timeout_s)
-                self.transport.close()
+    def connection_lost(self, exc: Optional[Exception]) -> None:
+        self._release()
+        self._cancel_timers()
+        if self._http_started:
+            super().connection_lost(exc)
 
-        def _arm_body_timer(self) -> None:
-            if self._body_timer is not None:
-                self._body_timer.cancel()
-            self._body_timer = self.loop.call_later(limits.body_idle_timeout_s, self._on_body_idle)
+    # -- deadlines ------------------------------------------------------------------------------------
+    def _cancel_timers(self) -> None:
+        for timer in (self._header_timer, self._body_timer):
+            if timer is not None:
+                timer.cancel()
+        self._header_timer = self._body_timer = None
 
-        def _on_body_idle(self) -> None:
-            self._body_timer = None
-            if self.transport.is_closing() or self.conn.their_state is not h11.SEND_BODY:
-                return
-            if self.flow.read_paused:  # we stopped reading, not the client: not its gap
-                self._arm_body_timer()
-                return
-            log.info("closed a connection from %s: no body bytes for %gs", self._host, limits.body_idle_timeout_s)
+    def _arm_header_deadline(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+        self._header_timer = self.loop.call_later(self.limits.header_timeout_s, self._on_header_deadline)
+
+    def _on_header_deadline(self) -> None:
+        self._header_timer = None
+        if not self.transport.is_closing():
+            log.info("closed a connection from %s: no complete request head within %gs", self._host, self.limits.header_timeout_s)
             self.transport.close()
 
-        # -- h11 events -----------------------------------------------------------------------------------
-        def data_received(self, data: bytes) -> None:
-            if not self._http_started:
-                self._early.append(data)  # TLS finished before start_tls returned: keep it in order
-                return
-            cycle = self.cycle
-            super().data_received(data)
-            if self.cycle is not cycle and self._header_timer is not None:
-                self._header_timer.cancel()  # a complete request head arrived
-                self._header_timer = None
-            if self.conn.their_state is h11.SEND_BODY and not self.transport.is_closing():
-                self._arm_body_timer()
-            elif self._body_timer is not None:
-                self._body_timer.cancel()
-                self._body_timer = None
+    def _arm_body_timer(self) -> None:
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+        self._body_timer = self.loop.call_later(self.limits.body_idle_timeout_s, self._on_body_idle)
 
-        def on_response_complete(self) -> None:
-            cycle = self.cycle
-            super().on_response_complete()
-            # The next request's head is due within the header deadline (unless a pipelined
-            # request already started a new cycle inside the call above).
-            if self.cycle is cycle and not self.transport.is_closing():
-                self._arm_header_deadline()
+    def _on_body_idle(self) -> None:
+        self._body_timer = None
+        if self.transport.is_closing() or self.conn.their_state is not h11.SEND_BODY:
+            return
+        if self.flow.read_paused:  # we stopped reading, not the client: not its gap
+            self._arm_body_timer()
+            return
+        log.info("closed a connection from %s: no body bytes for %gs", self._host, self.limits.body_idle_timeout_s)
+        self.transport.close()
 
-    return HardenedH11Protocol
+    # -- h11 events -----------------------------------------------------------------------------------
+    def data_received(self, data: bytes) -> None:
+        if not self._http_started:
+            self._early.append(data)  # TLS finished before start_tls returned: keep it in order
+            return
+        cycle = self.cycle
+        super().data_received(data)
+        if self.cycle is not cycle and self._header_timer is not None:
+            self._header_timer.cancel()  # a complete request head arrived
+            self._header_timer = None
+        if self.conn.their_state is h11.SEND_BODY and not self.transport.is_closing():
+            self._arm_body_timer()
+        elif self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
+
+    def on_response_complete(self) -> None:
+        cycle = self.cycle
+        super().on_response_complete()
+        # The next request's head is due within the header deadline (unless a pipelined
+        # request already started a new cycle inside the call above).
+        if self.cycle is cycle and not self.transport.is_closing():
+            self._arm_header_deadline()
+
+
+def hardened_protocol(limits: ApiLimits, tls: Optional[ssl.SSLContext]) -> type[HardenedH11Protocol]:
+    """The protocol class to give uvicorn as ``http`` (with uvicorn's own ``ssl`` unset): it
+    enforces ``limits``; ``tls`` is the server context (None: plain HTTP). Each call makes one
+    server's class, with its own connection counts."""
+    attrs = {"limits": limits, "tls": tls, "counts": _Counts()}
+    return type("HardenedH11Protocol", (HardenedH11Protocol,), attrs)
