@@ -34,6 +34,29 @@ class KvpackError(Exception):
         return str(self)
 
 
+class UsageError(KvpackError):
+    """The operator's command line, or a local input file the operator named, is wrong.
+
+    ``usage``: an argument value (out of range, malformed, contradictory); ``file``: a named
+    file or directory is missing, of the wrong kind, unreadable or malformed. The CLI exits 2.
+    """
+
+    CATEGORIES = frozenset({"usage", "file"})
+
+
+class NetworkError(KvpackError):
+    """A local address could not be bound, or a peer or local socket could not be reached."""
+
+    CATEGORIES = frozenset({"address_in_use", "address_not_available", "unreachable", "timeout"})
+
+
+class MissingExtraError(KvpackError):
+    """An optional dependency group (``pip install 'kvpack[<extra>]'``) or the bundled model
+    package is not installed; the message names what to install."""
+
+    CATEGORIES = frozenset({"missing_extra"})
+
+
 class FormatError(KvpackError):
     """A production-v1 durable object (or an input to its encoder) was refused.
 
@@ -101,8 +124,9 @@ class SecurityError(KvpackError):
             "replay",  # generation zero, replayed or stale
             "degraded",  # ledger latched degraded after a failed reservation
             "epoch",  # epoch below the configured minimum
-            "ledger",  # ledger file malformed, wrong mode or locked by another process
+            "ledger",  # ledger file malformed or wrong mode
             "rollback",  # ledger missing, older or emptied against its rollback witness
+            "locked",  # a ledger or enrollment lock is held by another process
             "volume",  # ledger volume too slow (probe)
             "config",  # config file malformed or inconsistent
             "enrollment",  # enrollment workflow refusal
@@ -119,6 +143,8 @@ class StoreError(KvpackError):
             "corrupt",  # a stored object failed verification
             "incomplete",  # a cut without its final-logits plane or missing chunks
             "locked",  # another process holds the store lock
+            "no_store",  # the location holds no store (no store.json)
+            "wrong_key",  # the root key given does not open this store (key check mismatch)
             "key",  # encryption key missing or unreadable
             "io",  # durable I/O failed
             "usage",  # caller error (bad arguments)

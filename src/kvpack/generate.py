@@ -54,17 +54,27 @@ def prefill_with_checkpoints(session, tokens: list[int], checkpoints: dict[int, 
     256-token boundary so those cuts can be saved. A model with windowed layers must save
     them right there (``store``), while the window ending at the boundary is still held."""
 
-    def capture(s) -> None:
-        if s.position % PREFIX_BLOCK_TOKENS == 0:
-            if store is not None:
-                store.save(s)
-            else:
-                checkpoints[s.position] = bytes(s.export_logits())
+    from .progress import bar
 
-    session.prefill(tokens, on_chunk=capture)
+    start = session.position
+    with bar("prefill", len(tokens)) as advance:
+        done = [start]
+
+        def capture(s) -> None:
+            advance(s.position - done[0])
+            done[0] = s.position
+            if s.position % PREFIX_BLOCK_TOKENS == 0:
+                if store is not None:
+                    store.save(s)
+                else:
+                    checkpoints[s.position] = bytes(s.export_logits())
+
+        session.prefill(tokens, on_chunk=capture)
 
 
 def generate(engine, store: PackStore | None, prompt_tokens: list[int], *, max_new_tokens: int = 32, save: bool = True) -> GenerateResult:
+    from .progress import status
+
     t0 = time.perf_counter()
     session = engine.new_session()
     reused = reused_bytes = 0
@@ -72,7 +82,8 @@ def generate(engine, store: PackStore | None, prompt_tokens: list[int], *, max_n
     quarantined: list[dict] = []
     if store is not None:
         # a stored cut that fails verification is a miss (quarantined, recomputed below)
-        found = store.lookup_restore(prompt_tokens, session, layout=engine.layout, ids=engine.identity.ids())
+        with status("looking up and restoring the deepest stored prefix (verified) ..."):
+            found = store.lookup_restore(prompt_tokens, session, layout=engine.layout, ids=engine.identity.ids())
         quarantined = found.quarantined
         if found.hit is not None and found.report is not None:
             reused, reused_bytes, restore_s = found.hit.cut, found.report.bytes_verified, found.report.seconds
@@ -96,7 +107,8 @@ def generate(engine, store: PackStore | None, prompt_tokens: list[int], *, max_n
         save_s += time.perf_counter() - t_save
     eos = getattr(engine.tokenizer, "eos_token_id", None) if engine.tokenizer is not None else None
     t_decode = time.perf_counter()
-    new_tokens, _logits = session.decode_greedy(max_new_tokens, stop_token_ids=[eos] if eos is not None else ())
+    with status(f"decoding up to {max_new_tokens} tokens ..."):
+        new_tokens, _logits = session.decode_greedy(max_new_tokens, stop_token_ids=[eos] if eos is not None else ())
     decode_s = time.perf_counter() - t_decode
     saved: list[int] = []
     manifest_id = None

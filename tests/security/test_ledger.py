@@ -196,7 +196,7 @@ def test_second_open_refused_in_process_and_in_subprocess(tmp_path):
         before = read(path)
         with pytest.raises(SecurityError) as info:
             ReplayLedger.open(path)
-        assert info.value.category == "ledger"
+        assert info.value.category == "locked"
         code = (
             "import sys\n"
             "from kvpack.security.ledger import ReplayLedger\n"
@@ -209,7 +209,7 @@ def test_second_open_refused_in_process_and_in_subprocess(tmp_path):
         )
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
         assert proc.returncode == 3, proc.stderr
-        assert "ledger:" in proc.stdout and f"pid {os.getpid()}" in proc.stdout
+        assert "locked:" in proc.stdout and f"pid {os.getpid()}" in proc.stdout
         assert read(path) == before
     # Once the holder is gone the other process may open it.
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
@@ -340,7 +340,7 @@ def test_reset_moves_forward_only_and_is_logged(tmp_path):
         # while a receiver holds the ledger, a reset is refused
         with pytest.raises(SecurityError) as info:
             reset_ledger(path, min_generation=50)
-        assert info.value.category == "ledger" and "another process" in info.value.message
+        assert info.value.category == "locked" and "another process" in info.value.message
     lines = [json.loads(x) for x in read(str(path) + ".resets.log").splitlines()]
     assert [x["min_generation"] for x in lines] == [1, 40]
     assert lines[0]["reason"] == "restored from backup by mistake" and lines[0]["witness_before"] == {"j:1": 2, "k:1": 6}

@@ -63,6 +63,9 @@ def test_cli_json_and_exit_codes(tmp_path, capsys):
     assert doc["min_ms"] <= doc["median_ms"] <= doc["p99_ms"] <= doc["max_ms"]
     # Past the tail: exit 1 (a zero-millisecond budget cannot be met by a real fsync).
     assert main(["probe-volume", str(tmp_path), "--iterations", "3", "--max-tail-ms", "0", "--json"]) == 1
-    assert json.loads(capsys.readouterr().out)["ok"] is False
-    assert main(["probe-volume", str(tmp_path / "missing")]) == 1
-    assert "refused volume" in capsys.readouterr().err
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["ok"] is False
+    assert captured.err.startswith("kvpack: volume: worst reservation")
+    assert main(["probe-volume", str(tmp_path / "missing")]) == 2  # usage: checked at parse time
+    err = capsys.readouterr().err
+    assert err.startswith("kvpack: usage:") and "does not exist" in err

@@ -44,7 +44,7 @@ def test_store_init_ls_verify_show_gc(tmp_path):
         fh.seek(5000)
         fh.write(bytes([b[0] ^ 1]))
     r = run("store", "verify", path, "--read-data")
-    assert r.returncode == 1 and "problem:" in r.stdout
+    assert r.returncode == 1 and "problem:" in r.stdout and r.stderr.startswith("kvpack: corrupt:")
     assert run("store", "gc", path, "--json").returncode == 0
     assert run("store", "verify", path, "--read-data").returncode == 1
 
@@ -54,9 +54,9 @@ def test_store_refuses_bad_key_file(tmp_path):
     assert run("store", "init", path).returncode == 0
     os.chmod(os.path.join(path, "root.key"), 0o640)
     r = run("store", "ls", path)
-    assert r.returncode == 1 and "refused key" in r.stderr
+    assert r.returncode == 2 and r.stderr.startswith("kvpack: key:")  # an unsafe key file: exit 2
     r = run("store", "ls", str(tmp_path / "nope"))
-    assert r.returncode == 1 and "not a kvpack store" in r.stderr
+    assert r.returncode == 10 and r.stderr.startswith("kvpack: no_store:") and "not a kvpack store" in r.stderr
 
 
 @pytest.mark.slow

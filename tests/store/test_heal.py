@@ -135,7 +135,7 @@ def test_refused_init_leaves_nothing(tmp_path):
     r = subprocess.run(
         [sys.executable, "-m", "kvpack.cli", "store", "init", str(target), "--encrypt", "--root-key-file", str(key)], capture_output=True, text=True
     )
-    assert r.returncode == 1 and r.stderr.startswith("refused key:") and len(r.stderr.strip().splitlines()) == 1
+    assert r.returncode == 2 and r.stderr.startswith("kvpack: key:") and len(r.stderr.strip().splitlines()) == 1
     assert os.listdir(target) == []
 
 
@@ -198,7 +198,7 @@ def test_cli_on_a_full_disk_prints_one_line(tmp_path):
         r = subprocess.run([sys.executable, "-m", "kvpack.cli", "store", "init", str(mnt / "s")], capture_output=True, text=True)
         assert r.returncode == 1, r.stderr
         lines = r.stderr.strip().splitlines()
-        assert len(lines) == 1 and lines[0].startswith("refused") and "No space left on device" in lines[0], r.stderr
+        assert len(lines) == 1 and lines[0].startswith("kvpack: ") and "No space left on device" in lines[0], r.stderr
         assert not (mnt / "s").exists() or not os.listdir(mnt / "s")
     finally:
         subprocess.run(["umount", str(mnt)], capture_output=True)

@@ -245,13 +245,19 @@ def cmd_demo(args: argparse.Namespace) -> int:
     out = run_demo(args.max_new_tokens, quiet=args.json)
     if args.json:
         print(json.dumps(out, sort_keys=True))
-    return 0 if out["bit_exact"] else 1
+    if not out["bit_exact"]:
+        from ..cli_errors import CommandFailed
+
+        failed = [k for k in ("bit_exact_full", "bit_exact_delta", "bit_exact_restore_new_process") if not out[k]]
+        raise CommandFailed("not_exact", f"proof failed: {', '.join(failed)} (receipts under {out['cluster_dir']})")
+    return 0
 
 
 def register(sub) -> None:
+    from ._args import int_range
+
     p = sub.add_parser("demo", help="disaggregated prefill with SmolLM2 on a throwaway loopback cluster, with proofs")
-    p.add_argument("--json", action="store_true", help="print one JSON object with the figures")
-    p.add_argument("--max-new-tokens", type=int, default=24)
+    p.add_argument("--max-new-tokens", type=int_range(1, 512, what="a token count"), default=24, help="tokens to decode per question")
     p.set_defaults(func=cmd_demo)
 
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from ._args import days, existing_dir, existing_file, not_a_file, socket_address
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("enroll", help="enroll a cluster: CA, node certificates, pins, HMAC keys")
@@ -21,26 +23,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     sub.required = True
 
     init = sub.add_parser("init", help="create the cluster CA (or rotate it with --rotate)")
-    init.add_argument("dir")
-    init.add_argument("--identity", help="default model identity JSON for receivers")
+    init.add_argument("dir", type=not_a_file, help="cluster directory (created; keep its ca/ offline)")
+    init.add_argument("--identity", type=existing_file, help="default model identity JSON for receivers (kvpack identity writes one)")
     init.add_argument("--rotate", action="store_true", help="replace the CA, re-key every node, bump every HMAC epoch")
     init.set_defaults(func=_init)
 
     node = sub.add_parser("node", help="enroll a node (or re-key it with --rotate)")
-    node.add_argument("dir")
-    node.add_argument("name")
-    node.add_argument("--role", choices=("receiver", "producer", "storage"))
+    node.add_argument("dir", type=existing_dir, help="cluster directory made by kvpack enroll init")
+    node.add_argument("name", help="node name (its directory under DIR/nodes/ and its certificate subject)")
+    node.add_argument("--role", choices=("receiver", "producer", "storage"), help="what the node runs (required for a new node)")
     node.add_argument("--rotate", action="store_true", help="new key and certificate; bump the HMAC epoch of its pairs")
-    node.add_argument("--listen", help="receiver Handoff V2 listen address (ip:port)")
-    node.add_argument("--control-listen", help="producer control listen address (ip:port)")
-    node.add_argument("--identity", help="model identity JSON this receiver admits")
+    node.add_argument("--listen", type=socket_address(), help="receiver Handoff V2 listen address (ip:port)")
+    node.add_argument("--control-listen", type=socket_address(allow_port_zero=False), help="producer control listen address (ip:port)")
+    node.add_argument("--identity", type=existing_file, help="model identity JSON this receiver admits")
     node.add_argument("--san", action="append", default=[], help="extra subjectAltName (e.g. muser-prefilld for the genuine producer)")
-    node.add_argument("--days", type=int, default=365, help="leaf validity in days")
+    node.add_argument("--days", type=days, default=365, help="leaf validity in days (>= 1)")
     node.set_defaults(func=_node)
 
     show = sub.add_parser("show", help="list nodes, roles, pins, key ids, epochs, expiry")
-    show.add_argument("dir")
-    show.add_argument("--json", action="store_true")
+    show.add_argument("dir", type=existing_dir, help="cluster directory")
     show.set_defaults(func=_show)
 
 
@@ -51,32 +52,33 @@ def _init(args: argparse.Namespace) -> int:
     cluster = Cluster.init(args.dir, identity=identity, rotate=args.rotate)
     ca = cluster.registry["ca"]
     verb = "rotated" if args.rotate else "created"
+    if args.json:
+        print(json.dumps({"action": verb, "ca": ca}, sort_keys=True))
+        return 0
     print(f"{verb} cluster CA {ca['subject']} (sha256 {ca['sha256']}, expires {ca['not_after']})")
     return 0
 
 
 def _node(args: argparse.Namespace) -> int:
-    from ..security.config import parse_socket_address
     from ..security.enroll import Cluster, load_identity_file
 
-    if args.listen:
-        parse_socket_address(args.listen, "--listen")
-    if args.control_listen:
-        parse_socket_address(args.control_listen, "--control-listen", allow_port_zero=False)
     if not args.rotate and args.role is None:
-        from ..errors import SecurityError
+        from ..errors import UsageError
 
-        raise SecurityError("enrollment", "--role is required when enrolling a new node")
+        raise UsageError("usage", "--role is required when enrolling a new node")
     identity = load_identity_file(args.identity) if args.identity else None
     cluster = Cluster.open(args.dir)
     entry = cluster.enroll_node(
         args.name, args.role, rotate=args.rotate, listen=args.listen, control_listen=args.control_listen, identity=identity, extra_sans=args.san, days=args.days
     )
     verb = "rotated" if args.rotate else "enrolled"
+    pairs = [p for p in cluster.registry["pairs"] if args.name in (p["producer"], p["receiver"])]
+    if args.json:
+        print(json.dumps({"action": verb, "name": args.name, "node": entry, "pairs": pairs}, sort_keys=True))
+        return 0
     print(f"{verb} {entry['role']} {args.name}: leaf sha256 {entry['leaf_sha256']}, expires {entry['not_after']}")
-    for pair in cluster.registry["pairs"]:
-        if args.name in (pair["producer"], pair["receiver"]):
-            print(f"  pair {pair['key_id']}: epoch {pair['epoch']}")
+    for pair in pairs:
+        print(f"  pair {pair['key_id']}: epoch {pair['epoch']}")
     return 0
 
 

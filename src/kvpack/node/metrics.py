@@ -1,9 +1,20 @@
-"""Prometheus metrics of a node daemon, served on a loopback port (DESIGN.md principle 7).
+"""Prometheus metrics of a node daemon and its observability listener (DESIGN.md principle 7).
 
 Each daemon owns one :class:`NodeMetrics` with its own registry (so two nodes in one test
-process do not collide) and serves it with ``prometheus_client``'s HTTP exporter bound to
-127.0.0.1 only: metrics name transfers and refusals, which is operational data, and the
-daemon's only network-facing ports are the mTLS ones.
+process do not collide) and serves it, with the health endpoints and the status page, on one
+small HTTP listener:
+
+* ``/metrics``: Prometheus text;
+* ``/healthz``: 200 while the process serves requests (liveness);
+* ``/readyz``: 200 when every readiness check of the node passes, else 503, with a JSON body
+  naming the checks (listener bound, ledger open and not degraded, ...);
+* ``/status`` (HTML) and ``/status.json``: the node's status page (:mod:`.status`).
+
+Exposure: the listener binds ``127.0.0.1`` on a free port by default. Metrics and the status
+page name transfers and refusals, which is operational data, so a non-loopback address is
+only served with mutual TLS (:meth:`NodeMetrics.serve` with ``tls=``): the node's enrolled
+certificate, and clients must present a certificate issued by the cluster CA. Nothing served
+here is a secret (no keys, no token ids, no prompt text).
 
 Series (``role`` is ``receiver`` or ``producer``):
 
@@ -18,20 +29,38 @@ Series (``role`` is ``receiver`` or ``producer``):
   ``kvpack_ledger_reserve_seconds{role}``: durable reservations (receiver replay ledger,
   producer generation ledger) and their latency;
 * ``kvpack_prefilled_tokens_total{role}`` / ``kvpack_reused_tokens_total{role,tier}``:
-  compute done and avoided.
+  compute done and avoided;
+* ``kvpack_build_info{role,version,python}`` and ``kvpack_model_info{role,model,engine,
+  identity_sha256,threads,torch,transformers}``: constant 1, labelled with what runs.
 """
 
 from __future__ import annotations
 
-from wsgiref.simple_server import WSGIServer
+import ipaddress
+import json
+import logging
+import platform
+import socket
+import ssl
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Callable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, start_http_server
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from .. import __version__
 
 _BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+log = logging.getLogger("kvpack.node.metrics")
+
+#: the page may style itself inline and show inline SVG; it may load nothing, run nothing
+CSP = "default-src 'none'; style-src 'unsafe-inline'; img-src data:; frame-ancestors 'none'; base-uri 'none'; form-action 'none'"
 
 
 class NodeMetrics:
     def __init__(self, role: str) -> None:
+        from .status import StatusBoard
+
         self.role = role
         self.registry = CollectorRegistry()
         r = self.registry
@@ -43,8 +72,24 @@ class NodeMetrics:
         self.reserve_s = Histogram("kvpack_ledger_reserve_seconds", "Ledger reservation latency", ["role"], buckets=_BUCKETS, registry=r)
         self.prefilled = Counter("kvpack_prefilled_tokens", "Tokens prefilled on this node", ["role"], registry=r)
         self.reused = Counter("kvpack_reused_tokens", "Tokens reused instead of recomputed", ["role", "tier"], registry=r)
-        self._server: WSGIServer | None = None
+        self.build_info = Gauge("kvpack_build_info", "kvpack build running this node (constant 1)", ["role", "version", "python"], registry=r)
+        self.build_info.labels(role, __version__, platform.python_version()).set(1)
+        self.model_info = Gauge(
+            "kvpack_model_info",
+            "Model and engine this node runs (constant 1)",
+            ["role", "model", "engine", "identity_sha256", "threads", "torch", "transformers"],
+            registry=r,
+        )
+        #: the status page and readiness checks (the daemon registers its snapshot provider)
+        self.status = StatusBoard(role)
+        self._server: _ObservabilityServer | None = None
         self.port: int | None = None
+        self.host: str | None = None
+        #: where serve() binds when the daemon calls it without arguments (set by the CLI)
+        self.listen_host = "127.0.0.1"
+        self.tls: ssl.SSLContext | None = None
+        #: admin side: the cluster directory whose onboarding records the status page lists
+        self.cluster_dir: str | None = None
 
     # -- recording -------------------------------------------------------------------------
     def transfer(self, verdict: str, nbytes: int = 0) -> None:
@@ -64,12 +109,29 @@ class NodeMetrics:
         self.reservations.labels(self.role, "ok" if ok else "failed").inc()
         self.reserve_s.labels(self.role).observe(seconds)
 
+    def describe_engine(self, engine: Any) -> dict[str, str]:
+        """Set ``kvpack_model_info`` from an engine (any adapter); returns the labels."""
+        labels = engine_labels(engine)
+        self.model_info.labels(self.role, *(labels[k] for k in ("model", "engine", "identity_sha256", "threads", "torch", "transformers"))).set(1)
+        return labels
+
     # -- serving ---------------------------------------------------------------------------
-    def serve(self, port: int = 0) -> int:
-        """Serve on 127.0.0.1:``port`` (0 picks a free port); returns the bound port."""
-        server, _thread = start_http_server(port, addr="127.0.0.1", registry=self.registry)
+    def configure_listener(self, host: str, tls: ssl.SSLContext | None = None) -> None:
+        """Where :meth:`serve` binds (the CLI calls this before the daemon starts)."""
+        check_exposure(host, tls)
+        self.listen_host, self.tls = host, tls
+
+    def serve(self, port: int = 0, *, host: str | None = None, tls: ssl.SSLContext | None = None) -> int:
+        """Serve on ``host:port`` (default: the configured host, 127.0.0.1; port 0 picks a free
+        port); returns the bound port. A non-loopback host needs ``tls`` (mutual TLS)."""
+        host = host or self.listen_host
+        tls = tls or self.tls
+        check_exposure(host, tls)
+        server = _ObservabilityServer(host, port, self, tls)
         self._server = server
+        self.host = host
         self.port = server.server_address[1]
+        threading.Thread(target=server.serve_forever, name=f"kvpack-{self.role}-metrics", daemon=True).start()
         return self.port
 
     def close(self) -> None:
@@ -80,3 +142,149 @@ class NodeMetrics:
 
     def text(self) -> str:
         return generate_latest(self.registry).decode()
+
+
+def check_exposure(host: str, tls: ssl.SSLContext | None) -> None:
+    """The exposure rule: loopback in the clear, anything else only with mutual TLS."""
+    from ..errors import UsageError
+
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        raise UsageError("usage", f"metrics listen host {host!r} must be an IP address") from None
+    if not address.is_loopback and tls is None:
+        raise UsageError("usage", f"metrics listen address {host} is not loopback: serve it with --metrics-tls (mutual TLS with the cluster CA)")
+
+
+def metrics_tls_context(certificate_chain: str, private_key: str, ca: str) -> ssl.SSLContext:
+    """HTTPS for the observability listener: the node's leaf; clients need a cluster-CA leaf."""
+    from ..security.tls import load_identity
+
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+    ctx.verify_mode = ssl.CERT_REQUIRED
+    ctx.load_verify_locations(cafile=ca)
+    load_identity(ctx, certificate_chain, private_key)
+    ctx.set_alpn_protocols(["http/1.1"])
+    return ctx
+
+
+def engine_labels(engine: Any) -> dict[str, str]:
+    """Model/engine labels of any adapter (missing fields are ``unknown``)."""
+    ident = getattr(engine, "identity", None)
+    abi = dict(getattr(ident, "engine_abi", {}) or {})
+    digest = "unknown"
+    try:
+        digest = ident.ids().digest().hex() if ident is not None else "unknown"
+    except Exception:  # noqa: BLE001 - labels are best effort; the node runs regardless
+        pass
+    return {
+        "model": str(getattr(ident, "model_name", None) or getattr(engine, "name", None) or type(engine).__name__),
+        "engine": type(engine).__name__,
+        "identity_sha256": digest,
+        "threads": str(abi.get("threads", getattr(engine, "threads", "unknown"))),
+        "torch": str(abi.get("torch", "none")),
+        "transformers": str(abi.get("transformers", "none")),
+    }
+
+
+class _ObservabilityServer(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 64
+
+    def __init__(self, host: str, port: int, metrics: NodeMetrics, tls: ssl.SSLContext | None) -> None:
+        self.metrics = metrics
+        self.tls = tls
+        self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        try:
+            super().__init__((host, port), _Handler)
+        except OSError as exc:
+            raise OSError(exc.errno, exc.strerror, f"metrics listen {host}:{port}") from None
+
+    def get_request(self):
+        sock, addr = super().get_request()
+        if self.tls is not None:
+            # the handshake runs in the request thread (first read), under the handler timeout
+            sock = self.tls.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+        return sock, addr
+
+    def handle_error(self, request, client_address) -> None:
+        log.debug("observability request failed", exc_info=True)
+
+
+Route = Callable[["NodeMetrics"], tuple[int, str, bytes]]
+
+
+def _route_metrics(m: NodeMetrics) -> tuple[int, str, bytes]:
+    return 200, CONTENT_TYPE_LATEST, generate_latest(m.registry)
+
+
+def _route_healthz(m: NodeMetrics) -> tuple[int, str, bytes]:
+    return 200, "text/plain; charset=utf-8", b"ok\n"
+
+
+def _route_readyz(m: NodeMetrics) -> tuple[int, str, bytes]:
+    ready = m.status.readiness()
+    return (200 if ready["ready"] else 503), "application/json", json.dumps(ready, sort_keys=True).encode() + b"\n"
+
+
+def _route_status_json(m: NodeMetrics) -> tuple[int, str, bytes]:
+    return 200, "application/json", json.dumps(m.status.snapshot(), sort_keys=True, default=str).encode() + b"\n"
+
+
+def _route_status(m: NodeMetrics) -> tuple[int, str, bytes]:
+    from .status import render_html
+
+    return 200, "text/html; charset=utf-8", render_html(m.status.snapshot()).encode()
+
+
+ROUTES: dict[str, Route] = {
+    "/metrics": _route_metrics,
+    "/healthz": _route_healthz,
+    "/readyz": _route_readyz,
+    "/status": _route_status,
+    "/status.json": _route_status_json,
+    "/": _route_status,
+}
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: _ObservabilityServer
+    timeout = 10  # a slow or silent client holds one thread for at most this long
+    server_version = "kvpack"
+    sys_version = ""
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+        self._answer(head=False)
+
+    def do_HEAD(self) -> None:  # noqa: N802
+        self._answer(head=True)
+
+    def _answer(self, *, head: bool) -> None:
+        route = ROUTES.get(self.path.split("?", 1)[0])
+        if route is None:
+            status, ctype, body = 404, "text/plain; charset=utf-8", b"not found\n"
+        else:
+            try:
+                status, ctype, body = route(self.server.metrics)
+            except Exception:  # noqa: BLE001 - one failed page never takes the listener down
+                log.exception("observability route %s failed", self.path)
+                status, ctype, body = 500, "text/plain; charset=utf-8", b"internal error\n"
+        self.send_response(status)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Cache-Control", "no-store")
+        self.send_header("X-Content-Type-Options", "nosniff")
+        self.send_header("Referrer-Policy", "no-referrer")
+        self.send_header("Content-Security-Policy", CSP)
+        self.end_headers()
+        if not head:
+            self.wfile.write(body)
+
+    def _refuse_method(self) -> None:
+        self.send_error(405, "only GET and HEAD")
+
+    do_POST = do_PUT = do_DELETE = do_PATCH = _refuse_method  # noqa: N815
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
+        log.debug("observability %s", format % args)

@@ -52,6 +52,7 @@ from ..security.tls import client_context, connect, listen, server_context, wrap
 from .common import ReceiptWriter, close_listener, chunk_tokens, now_ms, read_control, readable, verdict_of
 from .ladder import ResidentRadix, RowsSource
 from .metrics import NodeMetrics
+from .status import attach_producer
 from .receiver import EXT_PREFIX_CUT
 from .wire import TileGeometry, copy_prefix, pack_tile, span_layout, wire_identity
 
@@ -74,7 +75,7 @@ class GenerationLedger:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(self._lock_fd)
-            raise SecurityError("ledger", f"generation ledger {self.path!r} is held by another producer") from None
+            raise SecurityError("locked", f"generation ledger {self.path!r} is held by another producer") from None
         if os.path.exists(self.path):
             st = os.lstat(self.path)
             if not os.path.isfile(self.path) or os.path.islink(self.path) or st.st_mode & 0o077:
@@ -173,6 +174,7 @@ class ProducerNode:
         self.control_port = self._listener.getsockname()[1]
         self._thread = threading.Thread(target=self._serve, name="kvpack-producer", daemon=True)
         self._thread.start()
+        attach_producer(self)  # status page sections and readiness checks
         if self._metrics_port is not None:
             self.metrics.serve(self._metrics_port)
         return self

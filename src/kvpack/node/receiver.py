@@ -43,7 +43,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
-from ..errors import EngineError, KvpackError, ProtocolError, SecurityError
+from ..errors import EngineError, KvpackError, ProtocolError, SecurityError, UsageError
 from ..handoff.admission import AdmissionExpectations
 from ..handoff.control import ControlRequestV1, ControlResponse, encode_control
 from ..handoff.delta import ReuseAction
@@ -56,6 +56,7 @@ from ..security.tls import client_context, connect, listen, server_context, wrap
 from .common import ReceiptWriter, close_listener, greedy, logits_bytes, now_ms, read_control, readable, verdict_of
 from .ladder import DurableMiss, HeldPrefix, Ladder, Plan, ResidentRadix, RowsSource
 from .metrics import NodeMetrics
+from .status import attach_receiver
 from .wire import TileGeometry, copy_prefix, held_digest, scatter_tile, span_layout, wire_identity
 
 #: kvpack's extension key in the MUPCTL1 request: the delta cut the receiver armed. The
@@ -236,6 +237,7 @@ class ReceiverNode:
         self._listener = listen(cfg.listen_host, cfg.listen_port)
         self.data_port = self._listener.getsockname()[1]
         self._spawn(self._accept_loop, "kvpack-receiver-accept")
+        attach_receiver(self)  # status page sections and readiness checks
         if self._metrics_port is not None:
             self.metrics.serve(self._metrics_port)
         if self.socket_path:
@@ -722,8 +724,12 @@ class ReceiverNode:
                 data += chunk
             try:
                 req = json.loads(data)
+                if not isinstance(req, dict):
+                    raise UsageError("usage", "a local API request is one JSON object")
                 if "tokens" in req:
-                    tokens = [int(t) for t in req["tokens"]]
+                    tokens = req["tokens"]
+                    if not isinstance(tokens, list) or not all(type(t) is int and 0 <= t < 2**31 for t in tokens):
+                        raise UsageError("usage", "tokens must be a JSON list of token ids (integers in 0..2^31-1)")
                 else:
                     from ..generate import chat_tokens
 

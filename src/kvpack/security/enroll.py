@@ -568,7 +568,7 @@ class _EnrollLock:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             os.close(self.fd)
-            raise SecurityError("enrollment", f"another enrollment is running on {self.root!r}") from None
+            raise SecurityError("locked", f"another enrollment is running on {self.root!r}") from None
         _EnrollLock._held[self.root] = 1
         return self
 

@@ -395,7 +395,7 @@ def _acquire_lock(lock_path: str, target: str) -> int:
         os.close(fd)
         if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
             raise SecurityError(
-                "ledger",
+                "locked",
                 f"replay ledger {target!r} is already open in another process"
                 + (f" (pid {holder})" if holder else "")
                 + "; two writers would each trust their own watermark",

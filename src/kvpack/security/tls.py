@@ -295,6 +295,10 @@ def listen(host: str, port: int, *, backlog: int = 64) -> socket.socket:
         tune_socket(sock)
         sock.bind(addr)
         sock.listen(backlog)
+    except OSError as exc:
+        sock.close()
+        # name the address: "Address already in use (10.0.0.2:29590)" says which listener failed
+        raise OSError(exc.errno, exc.strerror, f"listen {host}:{port}") from None
     except BaseException:
         sock.close()
         raise

@@ -10,6 +10,8 @@ leaves no partial store behind.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import os
 from typing import Any
@@ -47,6 +49,12 @@ def _posix(path: str, ops: FileOps) -> StorageEnv:
     return PosixEnv(path, ops=ops)
 
 
+def key_check(root: bytes) -> str:
+    """A value in store.json that tells a wrong root key from a damaged store (like restic's
+    "wrong password"): HMAC-SHA256(root, label), 128 bits; it reveals nothing about the root."""
+    return hmac.new(root, b"kvpack store key check v1", hashlib.sha256).hexdigest()[:32]
+
+
 def _load_key(path: str) -> bytes:
     try:
         return load_root_key(path)
@@ -58,7 +66,7 @@ def _read_config(env: StorageEnv) -> dict:
     try:
         config = json.loads(env.read("store.json"))
     except ObjectMissing:
-        raise StoreError("usage", f"{env.location} is not a kvpack store (no store.json); run 'kvpack store init'") from None
+        raise StoreError("no_store", f"{env.location} is not a kvpack store (no store.json); run 'kvpack store init'") from None
     except ValueError as exc:
         raise StoreError("corrupt", f"{env.location}/store.json unreadable: {exc}") from None
     if not isinstance(config, dict) or config.get("format") != STORE_FORMAT or config.get("version") != STORE_VERSION:
@@ -84,7 +92,11 @@ def open_store(
             if is_s3(env.location):
                 raise StoreError("key", "an S3 store needs an absolute --root-key-file")
             key_path = os.path.join(env.location, key_path)
-        return PackStore(env, config, _load_key(key_path))
+        root = _load_key(key_path)
+        expected = config.get("key_check")
+        if isinstance(expected, str) and not hmac.compare_digest(expected, key_check(root)):
+            raise StoreError("wrong_key", f"the root key {key_path!r} does not open {env.location} (store.json's key check differs)")
+        return PackStore(env, config, root)
     except BaseException:
         if not isinstance(location, StorageEnv):
             env.close()
@@ -117,8 +129,7 @@ def init_store(
     key_ref = EXTERNAL_KEY if remote else (key_path if root_key_file else "root.key")
     # refuse a bad existing key before anything is written
     key_exists = os.path.lexists(key_path)
-    if key_exists:
-        _load_key(key_path)
+    root = _load_key(key_path) if key_exists else None
     dir_existed = remote or os.path.exists(env.location)
     config = {
         "format": STORE_FORMAT,
@@ -132,8 +143,9 @@ def init_store(
     wrote_config = False
     try:
         env.setup()
-        if not key_exists:
-            create_root_key(key_path)
+        if root is None:
+            root = create_root_key(key_path)
+        config["key_check"] = key_check(root)
         if not env.write("store.json", json.dumps(config, indent=2, sort_keys=True).encode() + b"\n", create_only=True):
             raise StoreError("usage", f"{env.location} already holds a store (created concurrently)")
         wrote_config = True
