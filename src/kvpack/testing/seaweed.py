@@ -141,7 +141,7 @@ class SeaweedServer:
             return
         try:
             os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(timeout=15)
+            self.proc.wait(timeout=3)
         except (ProcessLookupError, subprocess.TimeoutExpired):
             pass
         self.kill()
