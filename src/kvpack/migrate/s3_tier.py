@@ -217,7 +217,7 @@ class S3Destination:
         try:
             resp = self._call("get", self.client.get_object, Bucket=self.bucket, Key=self.key(rec.id))
         except FileNotFoundError:
-            raise MigrationError("not_found", f"S3 holds no bundle for {rec['id']}") from None
+            raise MigrationError("not_found", f"S3 holds no bundle for {rec.id}") from None
         return resp["Body"].read()
 
     def fetch(self, rec: M.TransferRecord) -> bytes:
