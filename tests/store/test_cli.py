@@ -92,3 +92,45 @@ def test_generate_reuses_the_stored_prefix_and_gives_the_same_text(tmp_path):
         "2",
     )
     assert json.loads(fresh.stdout)["tokens"] == c["tokens"]
+
+
+def test_store_verbs_on_s3(tmp_path, seaweed):
+    """Every store verb takes s3://bucket/prefix; credentials come from a 0600 file (or the
+    AWS environment) and never reach store.json, receipts or output."""
+    from kvpack.store import PackStore
+
+    loc = "s3://kvpack-tests/cli-" + os.urandom(4).hex()
+    key = str(tmp_path / "root.key")
+    common = ["--endpoint", seaweed.endpoint, "--s3-credentials", seaweed.credentials_file, "--root-key-file", key]
+    r = run("store", "init", loc, "--chunk-bytes", "4096", *common)
+    assert r.returncode == 0, r.stderr
+    assert run("store", "init", loc, *common).returncode == 1  # already a store: refused
+    store = PackStore.open(loc, endpoint=seaweed.endpoint, credentials_file=seaweed.credentials_file, root_key_file=key)
+    config = store.env.read("store.json").decode()
+    assert seaweed.secret_key not in config and seaweed.access_key not in config and '"external"' in config
+    eng = engine()
+    session_with(eng, TOKENS[:600], store)
+    rows = json.loads(run("store", "ls", loc, "--json", *common).stdout)
+    assert sorted(r["tokens"] for r in rows) == [256, 512, 600]
+    assert run("store", "verify", loc, "--read-data", *common).returncode == 0
+    top = max(rows, key=lambda r: r["tokens"])
+    chunk = next(i.name for i in store.env.list("chunks/"))
+    data = bytearray(store.env.read(chunk))
+    data[5000] ^= 1
+    store.env.write(chunk, bytes(data))
+    r = run("store", "verify", loc, "--read-data", *common)
+    assert r.returncode == 1 and "problem:" in r.stdout
+    r = run("store", "repair", loc, "--json", *common)
+    assert r.returncode == 0 and json.loads(r.stdout)["quarantined"] >= 1
+    assert run("store", "verify", loc, "--read-data", *common).returncode == 0
+    left = json.loads(run("store", "ls", loc, "--json", *common).stdout)
+    if left:
+        r = run("store", "forget", loc, left[0]["manifest_id"], *common)
+        assert r.returncode == 0, r.stderr
+    assert run("store", "forget", loc, top["manifest_id"][:10], *common).returncode == 2
+    assert run("store", "gc", loc, "--json", *common).returncode == 0
+    outputs = r.stdout + r.stderr
+    assert seaweed.secret_key not in outputs
+    # without credentials the S3 call is refused with one line
+    r = run("store", "ls", loc, "--endpoint", seaweed.endpoint, "--root-key-file", key)
+    assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr

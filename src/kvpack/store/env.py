@@ -45,11 +45,6 @@ class ObjectMissing(FileNotFoundError):
     """The named object does not exist (a FileNotFoundError, so callers can treat both alike)."""
 
 
-class BackendUnavailable(OSError):
-    """The backend could not be reached or answered with a server error (S3: connection
-    refused, timeouts, 5xx after retries). Callers degrade the one request that hit it."""
-
-
 @dataclass(frozen=True)
 class ObjectInfo:
     name: str

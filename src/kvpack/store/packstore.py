@@ -437,20 +437,29 @@ class PackStore:
             return None, quarantine_after_refusal(self, hit, exc)
 
     def lookup_restore(
-        self, tokens: Sequence[int], session: Any, *, aux: Sequence[tuple[bytes, bytes]] = (), max_attempts: int = 4, layout: Any = None, ids: Any = None
+        self,
+        tokens: Sequence[int],
+        session: Any,
+        *,
+        aux: Sequence[tuple[bytes, bytes]] = (),
+        max_attempts: int = 4,
+        layout: Any = None,
+        ids: Any = None,
+        require_logits: bool = True,
     ) -> Lookup:
         """The one lookup every consumer uses (generate, the daemons' ladder, the vLLM
         connector): find the deepest cut, restore it verified, and treat a cut that fails
         verification as a miss -- quarantined with a receipt, then the next shallower cut is
-        tried. The caller recomputes what was not restored and republishes it."""
+        tried. The caller recomputes what was not restored and republishes it.
+        ``require_logits=False`` also takes prefix cuts (engines that compute the next row)."""
         layout = layout if layout is not None else session.layout
         ids = ids if ids is not None else _engine_ids(session)
         quarantined: list[dict] = []
         for _ in range(max_attempts):
-            hit = self.find_deepest(tokens, layout, ids, aux)
+            hit = self.find_deepest(tokens, layout, ids, aux, require_logits=require_logits)
             if hit is None:
                 break
-            report, receipt = self.restore_healing(hit, session, tokens, aux=aux)
+            report, receipt = self.restore_healing(hit, session, tokens, aux=aux, require_logits=require_logits)
             if report is not None:
                 return Lookup(hit, report, quarantined)
             if receipt is None:
