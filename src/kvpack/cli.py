@@ -181,6 +181,10 @@ def main(argv: list[str] | None = None) -> int:
         outcome = cli_errors.classify(exc, command=command)
         _report(outcome)
         return outcome.code
+    finally:
+        from .logs import reset
+
+        reset()
 
 
 def _subcommand_words(args: argparse.Namespace) -> list[str]:

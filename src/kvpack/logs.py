@@ -73,16 +73,33 @@ def configure(level: str = "warning", file: str | None = None) -> logging.Handle
         handler = _StderrHandler()
     handler.set_name(_HANDLER_NAME)
     handler.setFormatter(JsonLineFormatter())
-    for name in ("kvpack", "uvicorn", "uvicorn.error"):
+    reset()
+    for name in _LOGGERS:
         logger = logging.getLogger(name)
-        for old in [h for h in logger.handlers if h.get_name() == _HANDLER_NAME]:
-            logger.removeHandler(old)
-            if isinstance(old, logging.StreamHandler) and not isinstance(old, _StderrHandler):
-                old.close()
+        _saved[name] = (logger.level, logger.propagate)
         logger.addHandler(handler)
         logger.setLevel(getattr(logging, level.upper()))
         logger.propagate = False
     return handler
+
+
+_LOGGERS = ("kvpack", "uvicorn", "uvicorn.error")
+_saved: dict[str, tuple[int, bool]] = {}
+
+
+def reset() -> None:
+    """Undo :func:`configure` (the CLI calls it when a command returns, so running commands
+    in-process, as the tests do, leaves the logging setup as it found it)."""
+    for name in _LOGGERS:
+        logger = logging.getLogger(name)
+        for old in [h for h in logger.handlers if h.get_name() == _HANDLER_NAME]:
+            logger.removeHandler(old)
+            if not isinstance(old, _StderrHandler):
+                old.close()
+        if name in _saved:
+            level, propagate = _saved.pop(name)
+            logger.setLevel(level)
+            logger.propagate = propagate
 
 
 class _StderrHandler(logging.StreamHandler):

@@ -171,10 +171,25 @@ def existing_dir(text: str) -> str:
 
 
 def not_a_file(text: str) -> str:
-    """A directory to create or use: refuses a path that exists and is not a directory."""
-    if os.path.exists(text) and not os.path.isdir(text):
-        raise argparse.ArgumentTypeError(f"{text!r} exists and is not a directory")
+    """A directory to create or use: refuses a path that exists and is not a directory, or
+    that lies below a file (``file.txt/sub``); s3:// locations pass through unchanged."""
+    if text.startswith("s3://"):
+        return text
+    if not text:
+        raise argparse.ArgumentTypeError("must be a directory path, got ''")
+    if os.path.exists(text):
+        if not os.path.isdir(text):
+            raise argparse.ArgumentTypeError(f"{text!r} exists and is not a directory")
+        return text
+    parent = os.path.dirname(os.path.abspath(text))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise argparse.ArgumentTypeError(f"{text!r} lies below {parent!r}, which is not a directory")
     return text
+
+
+not_a_file.__name__ = "directory"
 
 
 def hex_id(nbytes: int) -> Callable[[str], str]:

@@ -95,6 +95,16 @@ class NodeClient:
         verify = client_ssl_context(cfg.tls["ca"]) if cfg.tls else False
         self.client = httpx.Client(base_url=cfg.base_url, verify=verify, headers={"authorization": f"Bearer {key}"}, timeout=60.0, trust_env=False)
 
+    def close(self) -> None:
+        # an idle keep-alive connection left open holds up the node's graceful shutdown
+        self.client.close()
+
+    def __enter__(self) -> "NodeClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def request(self, method: str, url: str, **kw):
         from ..errors import MigrationError
 
@@ -160,10 +170,10 @@ def cmd_migrate(args) -> int:
     body = {"destination": destination, "mode": args.mode, "tier": tier}
     if args.transfer_id:
         body["transfer_id"] = args.transfer_id
-    node = NodeClient(args.config)
-    view = node.request("POST", f"/v1/sessions/{args.session}/migrate", json=body)
-    if not args.no_wait:
-        view = node.wait(view["id"], args.timeout, show=not args.json)
+    with NodeClient(args.config) as node:
+        view = node.request("POST", f"/v1/sessions/{args.session}/migrate", json=body)
+        if not args.no_wait:
+            view = node.wait(view["id"], args.timeout, show=not args.json)
     _print(view, args.json)
     if not args.no_wait:
         _final(view, SUCCESS)
@@ -180,15 +190,16 @@ def _final(view: dict, success: set) -> None:
 
 
 def cmd_status(args) -> int:
-    view = NodeClient(args.config).request("GET", f"/v1/session-transfers/{args.transfer_id}")
+    with NodeClient(args.config) as node:
+        view = node.request("GET", f"/v1/session-transfers/{args.transfer_id}")
     _print(view, args.json)
     return 0
 
 
 def cmd_reconcile(args) -> int:
-    node = NodeClient(args.config)
-    # synchronous on the node: the reply is the status the lookup-driven run ended in
-    view = node.request("POST", f"/v1/session-transfers/{args.transfer_id}/reconcile", timeout=args.timeout)
+    with NodeClient(args.config) as node:
+        # synchronous on the node: the reply is the status the lookup-driven run ended in
+        view = node.request("POST", f"/v1/session-transfers/{args.transfer_id}/reconcile", timeout=args.timeout)
     _print(view, args.json)
     _final(view, SUCCESS | {"committed"})
     return 0

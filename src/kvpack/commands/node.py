@@ -16,7 +16,7 @@ import sys
 import threading
 
 from ._args import check_unix_socket_path, existing_file, max_new_tokens, not_a_file, port, port_or_zero, positive_float, socket_address, threads
-from ._args import unix_socket_path
+from ._args import duration, unix_socket_path
 
 ENGINE_SPEC = re.compile(r"^(smollm2|arrays(:[1-9][0-9]{0,3}){0,3})$")
 
@@ -249,15 +249,9 @@ def register(sub) -> None:
     p.add_argument("--raw", action="store_true", help="tokenize the prompt without the chat template")
     p.add_argument("--max-new-tokens", type=max_new_tokens, default=32, help="tokens to decode after the prompt")
     p.add_argument("--save", action="store_true", help="also save the prompt's cut to the receiver's pack store")
-    p.add_argument("--timeout", type=_duration, default=900.0, help="seconds to wait for the reply")
+    p.add_argument("--timeout", type=duration, default=900.0, help="seconds to wait for the reply")
     p.set_defaults(func=cmd_request)
 
 
 def _tokens_file(text: str) -> str:
     return text if text == "-" else existing_file(text)
-
-
-def _duration(text: str) -> float:
-    from ._args import duration
-
-    return duration(text)

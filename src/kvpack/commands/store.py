@@ -13,7 +13,7 @@ import argparse
 import json
 import sys
 
-from ._args import existing_file, int_range, max_new_tokens, threads
+from ._args import existing_file, int_range, max_new_tokens, not_a_file, threads
 
 
 def _location_args(q: argparse.ArgumentParser, *, key: bool = True) -> None:
@@ -44,7 +44,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     ss.required = True
 
     q = ss.add_parser("init", help="create a store (a directory or s3://bucket/prefix)")
-    q.add_argument("dir", metavar="STORE", help=STORE_HELP + " (created)")
+    q.add_argument("dir", metavar="STORE", type=not_a_file, help=STORE_HELP + " (created)")
     q.add_argument("--tenant", default="default", help="tenant name (scopes every key and id)")
     q.add_argument("--encrypt", action="store_true", help="encrypt chunks and manifests at rest (ChaCha20-Poly1305)")
     q.add_argument("--root-key-file", help="keep the 32-byte root here (created 0600 if missing) instead of STORE/root.key")
@@ -53,7 +53,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     q.set_defaults(func=cmd_init)
 
     q = ss.add_parser("save", help="prefill a prompt with the bundled model and save its cut and checkpoints")
-    q.add_argument("dir", metavar="STORE", help=STORE_HELP)
+    q.add_argument("dir", metavar="STORE", type=not_a_file, help=STORE_HELP)
     _location_args(q)
     q.add_argument("--prompt", required=True, help="user prompt (through the chat template unless --raw)")
     q.add_argument("--raw", action="store_true", help="tokenize the prompt as is (no chat template)")
@@ -66,30 +66,30 @@ def register(sub: argparse._SubParsersAction) -> None:
         ("repair", cmd_repair, "quarantine every cut that fails verify --read-data (with receipts) and drop malformed index entries"),
     ):
         q = ss.add_parser(name, help=helptext)
-        q.add_argument("dir", metavar="STORE", help=STORE_HELP)
+        q.add_argument("dir", metavar="STORE", type=not_a_file, help=STORE_HELP)
         _location_args(q)
         q.set_defaults(func=func)
 
     q = ss.add_parser("show", help="describe one cut (its pack chain, states, chunks)")
-    q.add_argument("dir", metavar="STORE", help=STORE_HELP)
+    q.add_argument("dir", metavar="STORE", type=not_a_file, help=STORE_HELP)
     q.add_argument("manifest_id", metavar="CUT", type=cut_id, help=CUT_HELP)
     _location_args(q)
     q.set_defaults(func=cmd_show)
 
     q = ss.add_parser("forget", help="remove the index entries of one cut (its objects become garbage for gc)")
-    q.add_argument("dir", metavar="STORE", help=STORE_HELP)
+    q.add_argument("dir", metavar="STORE", type=not_a_file, help=STORE_HELP)
     q.add_argument("manifest_id", metavar="CUT", type=cut_id, help=CUT_HELP)
     _location_args(q)
     q.set_defaults(func=cmd_forget)
 
     q = ss.add_parser("verify", help="check every committed cut (packs, index bindings; with --read-data every chunk byte)")
-    q.add_argument("dir", metavar="STORE", help=STORE_HELP)
+    q.add_argument("dir", metavar="STORE", type=not_a_file, help=STORE_HELP)
     q.add_argument("--read-data", action="store_true", help="read and verify every chunk byte (slow), not only the structure")
     _location_args(q)
     q.set_defaults(func=cmd_verify)
 
     p = sub.add_parser("generate", help="generate with the bundled model, reusing the deepest stored prefix")
-    p.add_argument("--store", required=True, help="store directory (created if missing) or s3://bucket/prefix")
+    p.add_argument("--store", required=True, type=not_a_file, help="store directory (created if missing) or s3://bucket/prefix")
     p.add_argument("--prompt", required=True, help="user prompt (through the chat template unless --raw)")
     p.add_argument("--max-new-tokens", type=max_new_tokens, default=32, help="tokens to decode after the prompt")
     p.add_argument("--raw", action="store_true", help="tokenize the prompt as is (no chat template)")

@@ -330,10 +330,12 @@ def load_smollm2(*, cache_dir: str | None = None) -> LoadedModel:
     """
     _offline_env()
     try:
+        # torch first: transformers without torch imports, warns on stderr and fails later
+        import torch  # noqa: F401
         import transformers  # noqa: F401
-    except ImportError as exc:  # pragma: no cover - install problem
+    except ImportError as exc:  # an install problem: name what to install
         raise MissingExtraError(
-            "missing_extra", f"the bundled model needs the 'engine' extra (transformers is not installed): pip install 'kvpack[engine]' ({exc})"
+            "missing_extra", f"the bundled model needs the 'engine' extra ({exc.name or 'transformers'} is not installed): pip install 'kvpack[engine]'"
         ) from None
     gguf_path = smollm2_gguf_path()
     gguf_sha = file_sha256(gguf_path)

@@ -132,6 +132,22 @@ class SessionRegistry:
             self.live[sid] = live
             return live
 
+    def list(self, limit: int = 10000) -> list[dict]:
+        """The sessions held here, cheaply: id, live|fenced, bundle size and time; nothing is
+        loaded into the engine (``info`` does that for one session)."""
+        fenced = {rec.session_id for rec in self.journals.all() if M.fences(rec)}
+        out = []
+        with os.scandir(self.dir) as entries:
+            for entry in entries:
+                name = entry.name
+                if not name.endswith(".bundle") or not valid_id(name[: -len(".bundle")]):
+                    continue
+                st = entry.stat()
+                sid = name[: -len(".bundle")]
+                out.append({"id": sid, "state": "fenced" if sid in fenced else "live", "bytes": st.st_size, "modified_unix": round(st.st_mtime, 3)})
+        out.sort(key=lambda d: d["id"])
+        return out[:limit]
+
     def info(self, sid: str) -> dict:
         with self.lock:
             live = self.get(sid)

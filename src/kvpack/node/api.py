@@ -13,6 +13,7 @@ Routes (every one requires ``Authorization: Bearer <api key>``, compared in cons
     POST /v1/session-transfers/{id}/reconcile            look up + finish an outgoing transfer (synchronous)
     GET  /v1/session-transfers/{id}/progress             bytes sent (progress bars)
     POST /v1/sessions                                    create a session (prefill prompt ids)
+    GET  /v1/sessions                                    ids, live|fenced, bundle bytes (kvpack session list)
     GET  /v1/sessions/{id}                               position, revision, cache digest, live|fenced
     POST /v1/sessions/{id}/decode                        greedy steps (tokens + logits digests)
     DELETE /v1/sessions/{id}                             drop a session held here
@@ -384,6 +385,10 @@ def _session_routes(app: FastAPI, svc: Any, body_s: float) -> None:
         sid = body.session_id or new_session_id()
         info = await _call(lambda: svc.registry.create(sid, body.prompt_token_ids, messages=body.messages, seed=body.seed), kind="invalid_request_error")
         return JSONResponse(info, status_code=201)
+
+    @app.get("/v1/sessions", responses=_ERRORS)
+    async def session_list():
+        return JSONResponse({"sessions": await _call(svc.registry.list, kind="invalid_request_error")})
 
     @app.get("/v1/sessions/{session_id}", responses=_ERRORS)
     async def session_info(session_id: str):
