@@ -239,3 +239,17 @@ def read_token_ids(path: str, *, stdin_text: str | None = None) -> list[int]:
         if type(tok) is not int or not 0 <= tok <= MAX_TOKEN_ID:
             raise UsageError("file", f"tokens file {path!r}: item {i} is {tok!r}, not a token id (an integer in 0..{MAX_TOKEN_ID})")
     return value
+
+
+def engine_spec(text: str) -> str:
+    """An ``--engine`` value the engine registry accepts (parsed without loading anything)."""
+    from ..engine.registry import parse_spec
+    from ..errors import EngineError
+
+    try:
+        return parse_spec(text).text
+    except EngineError as exc:
+        raise argparse.ArgumentTypeError(exc.message) from None
+
+
+engine_spec.__name__ = "engine"

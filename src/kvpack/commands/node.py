@@ -10,24 +10,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import signal
 import sys
 import threading
 
 from ._args import check_unix_socket_path, existing_file, max_new_tokens, not_a_file, port, port_or_zero, positive_float, socket_address, threads
-from ._args import duration, unix_socket_path
-
-ENGINE_SPEC = re.compile(r"^(smollm2|arrays(:[1-9][0-9]{0,3}){0,3})$")
-
-
-def engine_spec(text: str) -> str:
-    if not ENGINE_SPEC.match(text):
-        raise argparse.ArgumentTypeError(f"must be smollm2 or arrays:LAYERS:HEADS:DIM (positive integers), got {text!r}")
-    return text
-
-
-engine_spec.__name__ = "engine"
+from ._args import duration, engine_spec, unix_socket_path
 
 
 def _store(path: str | None, default: str):
@@ -207,10 +195,16 @@ def cmd_request(args: argparse.Namespace) -> int:
     return 0
 
 
+def _spec_help() -> str:
+    from ..engine.registry import SPEC_HELP
+
+    return SPEC_HELP
+
+
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", required=True, type=existing_file, help="node config written by kvpack enroll")
-    p.add_argument("--engine", type=engine_spec, default="smollm2", help="smollm2 or arrays:L:H:D (NumPy adapter, tests)")
-    p.add_argument("--threads", type=threads, default=2, help="torch threads (part of the engine identity: every node the same)")
+    p.add_argument("--engine", type=engine_spec, default="smollm2", help=_spec_help())
+    p.add_argument("--threads", type=threads, help="torch threads (part of the engine identity: every node the same; default: the engine's default)")
     p.add_argument("--store", type=not_a_file, help="pack store directory (default: <config dir>/state/store, created)")
     p.add_argument("--no-store", action="store_true", help="no durable tier")
     p.add_argument("--receipts", type=not_a_file, help="receipt directory (default: <config dir>/receipts)")

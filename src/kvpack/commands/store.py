@@ -13,7 +13,7 @@ import argparse
 import json
 import sys
 
-from ._args import existing_file, int_range, max_new_tokens, not_a_file, threads
+from ._args import engine_spec, existing_file, int_range, max_new_tokens, not_a_file, threads
 
 
 def _location_args(q: argparse.ArgumentParser, *, key: bool = True) -> None:
@@ -57,6 +57,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     _location_args(q)
     q.add_argument("--prompt", required=True, help="user prompt (through the chat template unless --raw)")
     q.add_argument("--raw", action="store_true", help="tokenize the prompt as is (no chat template)")
+    q.add_argument("--engine", type=engine_spec, default="smollm2", help=_spec_help())
     q.add_argument("--threads", type=threads, help="torch threads (part of the engine identity; default: the engine's)")
     q.set_defaults(func=cmd_save)
 
@@ -93,6 +94,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt", required=True, help="user prompt (through the chat template unless --raw)")
     p.add_argument("--max-new-tokens", type=max_new_tokens, default=32, help="tokens to decode after the prompt")
     p.add_argument("--raw", action="store_true", help="tokenize the prompt as is (no chat template)")
+    p.add_argument("--engine", type=engine_spec, default="smollm2", help=_spec_help())
     p.add_argument("--threads", type=threads, help="torch threads (part of the engine identity; default: the engine's)")
     p.add_argument("--no-save", action="store_true", help="do not save the prompt's cut to the store")
     _location_args(p)
@@ -121,13 +123,18 @@ def cmd_init(args) -> int:
     return 0
 
 
-def _engine(threads):
-    from ..engine.models import load_smollm2
-    from ..engine.transformers_adapter import TransformersEngine
+def _spec_help() -> str:
+    from ..engine.registry import SPEC_HELP
+
+    return SPEC_HELP
+
+
+def _engine(args):
+    from ..engine.registry import load_engine
     from ..progress import status
 
-    with status("loading SmolLM2-135M-Instruct (bundled GGUF)"):
-        return TransformersEngine(load_smollm2(), threads=threads)
+    with status(f"loading engine {args.engine} ..."):
+        return load_engine(args.engine, threads=args.threads)
 
 
 def _open_or_init(args):
@@ -145,7 +152,7 @@ def cmd_generate(args) -> int:
     from ..generate import chat_tokens, generate
 
     store = _open_or_init(args)
-    engine = _engine(args.threads)
+    engine = _engine(args)
     tokens = chat_tokens(engine, args.prompt, chat=not args.raw)
     result = generate(engine, store, tokens, max_new_tokens=args.max_new_tokens, save=not args.no_save)
     if args.json:
@@ -167,7 +174,7 @@ def cmd_save(args) -> int:
     from ..generate import chat_tokens, generate
 
     store = _open(args)
-    engine = _engine(args.threads)
+    engine = _engine(args)
     tokens = chat_tokens(engine, args.prompt, chat=not args.raw)
     result = generate(engine, store, tokens, max_new_tokens=0)
     out = {"saved_cuts": result.saved_cuts, "manifest_id": result.manifest_id, "prompt_tokens": result.prompt_tokens, "reused_tokens": result.reused_tokens}

@@ -11,12 +11,12 @@ hold the same bytes, whatever the chunking.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
 from ..errors import EngineError
-from .contract import DTYPE_WIDTH, LAYER_FULL, LAYER_WINDOWED, CacheLayout, EngineIdentity, IdentityIds, LayerSpec
+from .contract import DTYPE_WIDTH, LAYER_FULL, LAYER_WINDOWED, CacheLayout, EngineIdentity, IdentityIds, InstallContext, LayerSpec
 from .contract import cache_digest as contract_cache_digest
 from .contract import state_digest as contract_state_digest
 
@@ -37,6 +37,9 @@ def array_layout(
 
 
 class ArrayEngine:
+    #: The chunk grid callers use for aligned prefill (the rows do not depend on chunking).
+    prefill_chunk_tokens = 256
+
     def __init__(self, layout: CacheLayout, *, name: str = "arrays", scalars: dict[str, float] | None = None, max_context: int = 1 << 20) -> None:
         self.layout = layout
         self.max_context = max_context
@@ -53,9 +56,10 @@ class ArrayEngine:
             scalars=dict(scalars or {"scale": 1.0}),
             layout=layout,
         )
+        self._ids = self.identity.ids()
 
     def ids(self) -> IdentityIds:
-        return self.identity.ids()
+        return self._ids
 
     def check_identity(self, expected: EngineIdentity | IdentityIds) -> None:
         ids = expected.ids() if isinstance(expected, EngineIdentity) else expected
@@ -128,6 +132,23 @@ class ArraySession:
         rng = np.random.default_rng(int.from_bytes(h[:8], "little"))
         self.last_logits = rng.standard_normal(self.layout.vocab_size).astype(np.float32)
 
+    def decode_greedy(self, n: int, stop_token_ids: Iterable[int] = ()) -> tuple[list[int], list[np.ndarray]]:
+        """Greedy decode ``n`` tokens (first maximum of the f32 row); returns (tokens, rows)."""
+        if self.last_logits is None:
+            raise EngineError("install", "no final logits at this cut: prefill at least one token first")
+        stops = {int(t) for t in stop_token_ids}
+        tokens: list[int] = []
+        rows: list[np.ndarray] = []
+        for _ in range(n):
+            row = np.asarray(self.last_logits, dtype=np.float32)
+            token = int(np.argmax(row))
+            tokens.append(token)
+            rows.append(row.copy())
+            self.prefill([token])
+            if token in stops:
+                break
+        return tokens, rows
+
     def retained_range(self, layer: int) -> tuple[int, int]:
         return self.layout.retained_range(layer, self.position)
 
@@ -157,7 +178,7 @@ class ArraySession:
         return ArrayInstall(self, cut, token_ids)
 
 
-class ArrayInstall:
+class ArrayInstall(InstallContext):
     def __init__(self, session: ArraySession, cut: int, token_ids: Sequence[int]) -> None:
         if len(token_ids) != cut or cut <= 0:
             raise EngineError("install", f"{len(token_ids)} token ids for a cut of {cut}")

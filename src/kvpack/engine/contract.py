@@ -29,6 +29,15 @@ by the string ``"f64:" + 16 lowercase hex digits`` of its IEEE-754 binary64 bit 
 no decimal formatting or parser can blur a constant. Tuples encode as lists, ``None`` as
 ``null``; any other type is refused. The components and their objects are documented on
 :meth:`EngineIdentity.components` and in docs/engine.md.
+
+The contract in code
+--------------------
+:class:`Engine`, :class:`Session` and :class:`Install` are the ``typing.Protocol`` s every
+adapter implements (transformers, NumPy arrays, vLLM); :class:`SpanExport`,
+:class:`PlaneStaging` and :class:`DeviceVerification` are optional capabilities. They are
+``runtime_checkable``: the store and the nodes ask ``isinstance(x, PlaneStaging)``, never
+``hasattr``, so a capability is one named, documented set of methods. This module must
+never import torch or an engine: it is the vocabulary, not an implementation.
 """
 
 from __future__ import annotations
@@ -39,7 +48,8 @@ import math
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from types import TracebackType
+from typing import Any, Callable, Generator, Iterable, Optional, Protocol, Sequence, runtime_checkable
 
 from ..errors import EngineError
 
@@ -395,3 +405,153 @@ def cache_digest(session: Any) -> bytes:
     if session.last_logits is not None:
         h.update(hashlib.sha256(session.export_logits()).digest())
     return h.digest()
+
+
+# --------------------------------------------------------------------------------------------
+# the adapter contract as Protocols (docs/engine.md, "The contract in code")
+
+
+@runtime_checkable
+class Install(Protocol):
+    """A detached cache being filled for the cut ``[0, cut)``; live only after ``commit``.
+
+    Obtained from :meth:`Session.begin_install` (the *begin*), it is a context manager:
+    leaving the ``with`` block without a successful ``commit`` aborts, so an exception
+    anywhere in the fill can never leave a half-written cache behind::
+
+        with session.begin_install(cut, tokens, identity) as install:
+            for layer, role in layout.states():
+                install.write_rows(layer, role, *install.required_range(layer)[:1], rows)
+            install.commit(require_logits=False)
+
+    ``write_rows`` takes token-major wire bytes for absolute rows (any order, any split,
+    each row of :meth:`required_range` exactly once); ``commit`` refuses an incomplete fill
+    and then swaps tokens, cache and logits in one step; ``abort`` drops the fill and leaves
+    the live session untouched. ``state`` is ``"open"``, ``"committed"`` or ``"aborted"``.
+    """
+
+    cut: int
+    state: str
+
+    def required_range(self, layer: int) -> tuple[int, int]: ...
+    def write_rows(self, layer: int, role: str, start: int, data: Any) -> None: ...
+    def write_logits(self, data: Any) -> None: ...
+    def missing(self) -> list[tuple[int, str, int]]: ...
+    def commit(self, *, require_logits: bool = True) -> None: ...
+    def abort(self) -> None: ...
+    def __enter__(self) -> "Install": ...
+    def __exit__(self, exc_type: Optional[type[BaseException]], exc: Optional[BaseException], tb: Optional[TracebackType]) -> None: ...
+
+
+class InstallContext:
+    """The context-manager half of :class:`Install` for adapters to inherit: ``__exit__``
+    aborts an install that is still open (an exception, or a block left without commit)."""
+
+    state: str
+
+    def abort(self) -> None:  # pragma: no cover - every adapter overrides it
+        raise NotImplementedError
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, exc_type: Optional[type[BaseException]], exc: Optional[BaseException], tb: Optional[TracebackType]) -> None:
+        if self.state == "open":
+            self.abort()
+
+
+@runtime_checkable
+class Session(Protocol):
+    """One live sequence of an engine: tokens, cache and the exact last-logits row.
+
+    ``prefill`` forwards tokens in the engine's absolute-aligned chunks (``on_chunk`` runs
+    after each chunk, while windowed layers still hold the window ending there);
+    ``decode_greedy`` returns ``(tokens, logits rows)``; ``export_rows`` gives token-major
+    wire bytes of retained rows; ``begin_install`` opens a detached :class:`Install`.
+    ``last_logits`` is ``None`` after installing a prefix without its logits row.
+    """
+
+    engine: Any
+    layout: CacheLayout
+    tokens: list[int]
+    last_logits: Any
+
+    @property
+    def position(self) -> int: ...
+    def prefill(self, token_ids: Sequence[int], chunk_size: Optional[int] = None, on_chunk: Optional[Callable[[Any], None]] = None) -> None: ...
+    def decode_greedy(self, n: int, stop_token_ids: Iterable[int] = ()) -> tuple[list[int], list[Any]]: ...
+    def retained_range(self, layer: int) -> tuple[int, int]: ...
+    def export_rows(self, layer: int, role: str, start: int, stop: int) -> memoryview: ...
+    def export_logits(self) -> memoryview: ...
+    def state_digest(self, layer: int, role: str) -> bytes: ...
+    def cache_digest(self) -> bytes: ...
+    def begin_install(self, cut: int, token_ids: Sequence[int], identity: "EngineIdentity | IdentityIds") -> Install: ...
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """A loaded model: its cache layout, exact identity, context bound and sessions.
+
+    ``check_identity`` refuses (EngineError ``identity``) a claimed identity that differs in
+    any Id32; ``ids()`` is the cached :class:`IdentityIds` of ``identity``.
+    ``prefill_chunk_tokens`` is the absolute chunk grid of ``Session.prefill`` (it divides
+    256, so every reusable cut is a chunk boundary).
+    """
+
+    layout: CacheLayout
+    identity: EngineIdentity
+    max_context: int
+    prefill_chunk_tokens: int
+
+    def ids(self) -> IdentityIds: ...
+    def check_identity(self, expected: "EngineIdentity | IdentityIds") -> None: ...
+    def new_session(self) -> Session: ...
+
+
+@runtime_checkable
+class TextEngine(Protocol):
+    """Optional: an engine with a tokenizer (prompts as text, chat templates)."""
+
+    tokenizer: Any
+
+    def encode(self, text: str) -> list[int]: ...
+    def decode(self, token_ids: Sequence[int]) -> str: ...
+
+
+@runtime_checkable
+class SpanExport(Protocol):
+    """Optional (sessions): export many ``(layer, role, start, stop)`` spans at once.
+
+    Yields ``(view, release)`` per span in order, ``view`` equal to ``export_rows`` of the
+    span; ``release`` (or ``None``) returns a pinned buffer once the consumer is done.
+    The CUDA adapter runs its device-to-host copies ``depth`` spans ahead of the consumer.
+    """
+
+    def export_spans(
+        self, requests: Iterable[tuple[int, str, int, int]], *, depth: int = 8
+    ) -> Generator[tuple[memoryview, Optional[Callable[[], None]]], None, None]: ...
+
+
+@runtime_checkable
+class PlaneStaging(Protocol):
+    """Optional (installs): host-to-device restore staging.
+
+    ``stager(slots)`` gives per-chunk staging (pinned host slots, device buffers, a copy
+    stream) and ``plane_stager()`` whole-plane staging; each returns ``None`` where it does
+    not apply (a CPU install), so a capable install can still decline.
+    """
+
+    def stager(self, slots: int) -> Any: ...
+    def plane_stager(self, *, force: bool = False) -> Any: ...
+
+
+@runtime_checkable
+class DeviceVerification(Protocol):
+    """Optional (installs): verify restored chunks on the device (kvpack.engine.device_verify).
+
+    ``wave_ring`` gives the staging ring the GPU SHA-256 runs on (``None`` when no kernel);
+    ``write_row_blocks`` installs a wave's verified rows of one plane with one copy.
+    """
+
+    def wave_ring(self, *, wave_chunks: int, waves: int, force: bool = False) -> Any: ...
+    def write_row_blocks(self, layer: int, role: str, start: int, blocks: Any) -> None: ...

@@ -23,13 +23,13 @@ from __future__ import annotations
 import os
 import time
 from collections import deque
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Union
 
 from ..format import constants as C
 from ..format.objects import ChunkRef, Manifest, Span, StateKey
+from .contract import DeviceVerification, PlaneStaging
 
 Buffer = Union[bytes, memoryview]
 
@@ -99,22 +99,18 @@ class PipelineResult:
     pipeline: str = "host"
 
 
-def _capability(install: Any, name: str) -> Callable[..., Any] | None:
-    """An optional install capability (CUDA staging), or None on installs without it."""
-    return getattr(install, name, None)
-
-
 def install_chunks(jobs: list[ChunkJob], source: ChunkSource, install: Any, layout: Any, tuning: RestoreTuning) -> PipelineResult:
-    """Verify every job's chunk and write its rows into ``install`` (not committed)."""
-    wave_ring = _capability(install, "wave_ring")
-    if tuning.verify_on != "host" and wave_ring is not None and jobs:
+    """Verify every job's chunk and write its rows into ``install`` (not committed).
+
+    The pipeline follows the install's typed capabilities (kvpack.engine.contract):
+    DeviceVerification, then PlaneStaging, else plain host verification."""
+    if tuning.verify_on != "host" and isinstance(install, DeviceVerification) and jobs:
         capacity = tuning.wave_chunks or max(1, tuning.device_staging_bytes // (tuning.device_waves * C.MAX_CHUNK_OBJECT_BYTES))
-        ring = wave_ring(wave_chunks=capacity, waves=tuning.device_waves, force=tuning.verify_on == "device")
+        ring = install.wave_ring(wave_chunks=capacity, waves=tuning.device_waves, force=tuning.verify_on == "device")
         if ring is not None:
             return DeviceVerifiedPipeline(source, install, layout, tuning, ring).run(jobs)
-    plane_stager = _capability(install, "plane_stager")
-    if plane_stager is not None and tuning.plane_staging != "never":
-        planes = plane_stager(force=tuning.plane_staging == "always")
+    if isinstance(install, PlaneStaging) and tuning.plane_staging != "never":
+        planes = install.plane_stager(force=tuning.plane_staging == "always")
         if planes is not None:
             return PlanePipeline(source, install, layout, tuning, planes).run(jobs)
     return HostPipeline(source, install, layout, tuning).run(jobs)
@@ -132,10 +128,9 @@ class HostPipeline:
     def __init__(self, source: ChunkSource, install: Any, layout: Any, tuning: RestoreTuning) -> None:
         self.source, self.install, self.layout, self.tuning = source, install, layout, tuning
         self.verified = self.nbytes = 0
-        stager = _capability(install, "stager")
         # On a CUDA install chunk objects are read into pinned slots, verified there and
         # uploaded by the workers; this thread only queues the device-side copies.
-        self.stager = stager(2 * tuning.workers + 2) if stager is not None else None
+        self.stager = install.stager(2 * tuning.workers + 2) if isinstance(install, PlaneStaging) else None
 
     def verify_one(self, job: ChunkJob) -> Any:
         """The verified plaintext, or with a stager the slot holding it (upload started)."""

@@ -40,6 +40,7 @@ from .contract import (
     CacheLayout,
     EngineIdentity,
     IdentityIds,
+    InstallContext,
     LayerSpec,
 )
 from .models import LoadedModel, canonical_config
@@ -483,7 +484,7 @@ class EngineSession:
         return DetachedInstall(self, cut, token_ids)
 
 
-class DetachedInstall:
+class DetachedInstall(InstallContext):
     """A cache being filled beside the live one; it replaces the live cache only on commit.
 
     Rows arrive per ``(layer, role)`` as token-major wire bytes for absolute ranges; each row

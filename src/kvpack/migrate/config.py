@@ -18,7 +18,7 @@
       "s3_endpoint": "http://127.0.0.1:8333", # S3 endpoint for s3://bucket/prefix storage destinations
       "s3_credentials_file": "s3.json",       # 0600 S3 credentials (default: AWS environment variables)
       "engine": {"kind": "arrays", "layers": 4, "kv_heads": 4, "head_dim": 64, "vocab": 64},
-                                              # or {"kind": "smollm2", "threads": 2}
+                                              # or {"kind": "smollm2" | "muse-tiny", "threads": 2}
       "checkpoint_bytes": 4194304,            # upload durable-offset checkpoints (resume.py):
       "checkpoint_interval_s": 1.0,           #   every N bytes or every T seconds, first wins
       "api_limits": {"tls_handshake_timeout_s": 10, "header_timeout_s": 10,
@@ -155,8 +155,8 @@ def load_config(path: str) -> NodeConfig:
             raise MigrationError("usage", f"config {path}: tls needs certificate_chain, private_key, ca")
         tls = {k: rel(v, f"tls.{k}", True) for k, v in tls.items()}
     engine = raw.get("engine") or {"kind": "arrays"}
-    if not isinstance(engine, dict) or engine.get("kind") not in ("arrays", "smollm2"):
-        raise MigrationError("usage", f"config {path}: engine.kind must be arrays or smollm2")
+    if not isinstance(engine, dict) or engine.get("kind") not in ("arrays", "smollm2", "muse-tiny"):
+        raise MigrationError("usage", f"config {path}: engine.kind must be arrays, smollm2 or muse-tiny")
     name = raw.get("node_name") or "decode-node"
     return NodeConfig(
         path=path,
@@ -193,17 +193,15 @@ def read_api_key(path: str) -> bytes:
 
 def build_engine(spec: dict[str, Any]):
     """The node's engine from its config (the identity every prepare is checked against)."""
+    from ..engine.registry import arrays_engine, load_engine
+
     if spec["kind"] == "arrays":
-        from ..engine.arrays import ArrayEngine, array_layout
-
-        layout = array_layout(
-            layers=int(spec.get("layers", 4)),
-            kv_heads=int(spec.get("kv_heads", 4)),
-            head_dim=int(spec.get("head_dim", 64)),
+        return arrays_engine(
+            int(spec.get("layers", 4)),
+            int(spec.get("kv_heads", 4)),
+            int(spec.get("head_dim", 64)),
             vocab=int(spec.get("vocab", 64)),
+            name=str(spec.get("name", "arrays")),
         )
-        return ArrayEngine(layout, name=str(spec.get("name", "arrays")))
-    from ..engine.models import load_smollm2
-    from ..engine.transformers_adapter import TransformersEngine
-
-    return TransformersEngine(load_smollm2(), threads=int(spec.get("threads", 2)))
+    threads = spec.get("threads")  # None: the registry's default for this engine
+    return load_engine(spec["kind"], threads=None if threads is None else int(threads))

@@ -1,5 +1,6 @@
-"""Shared node plumbing: receipts, clocks, greedy decoding on any adapter, engine loading,
-and reading one MUPCTL1 control frame from a TLS channel under a deadline."""
+"""Shared node plumbing: receipts, clocks, greedy decoding on any adapter, engine loading
+(through :mod:`kvpack.engine.registry`), and reading one MUPCTL1 control frame from a TLS
+channel under a deadline."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import time
 from typing import Any, Optional, Sequence
 
 from ..durable import atomic_write, ensure_dir
-from ..errors import KvpackError, ProtocolError, SecurityError
+from ..errors import KvpackError, ProtocolError
 from ..handoff.control import ControlDecoder
 
 RECEIPT_SCHEMA = "kvpack-node-receipt-v1"
@@ -70,21 +71,7 @@ class ReceiptWriter:
 
 def greedy(session, n: int, stop_token_ids: Sequence[int] = ()):
     """Greedy decode ``n`` tokens on any adapter session; returns (tokens, logits rows)."""
-    if hasattr(session, "decode_greedy"):
-        return session.decode_greedy(n, stop_token_ids=stop_token_ids)
-    import numpy as np
-
-    stops = set(int(t) for t in stop_token_ids)
-    toks, rows = [], []
-    for _ in range(n):
-        row = np.asarray(session.last_logits, dtype=np.float32)
-        t = int(np.argmax(row))
-        toks.append(t)
-        rows.append(row.copy())
-        session.prefill([t])
-        if t in stops:
-            break
-    return toks, rows
+    return session.decode_greedy(n, stop_token_ids=stop_token_ids)
 
 
 def logits_bytes(rows) -> bytes:
@@ -100,21 +87,11 @@ def logits_bytes(rows) -> bytes:
     return bytes(out)
 
 
-def load_engine(spec: str = "smollm2", *, threads: int = 2):
-    """``smollm2`` (the bundled model, transformers adapter) or ``arrays:LAYERS:HEADS:DIM``
-    (the NumPy adapter: same session protocol, no model; for tests and wire benchmarks)."""
-    if spec == "smollm2":
-        from ..engine.models import load_smollm2
-        from ..engine.transformers_adapter import TransformersEngine
+def load_engine(spec: str = "smollm2", *, threads: Optional[int] = None):
+    """The engine ``spec`` names, from the one engine registry (:mod:`kvpack.engine.registry`)."""
+    from ..engine.registry import load_engine as registry_load
 
-        return TransformersEngine(load_smollm2(), threads=threads, prefill_chunk_tokens=256)
-    if spec.startswith("arrays"):
-        from ..engine.arrays import ArrayEngine, array_layout
-
-        parts = [int(x) for x in spec.split(":")[1:]] or [4, 2, 8]
-        layers, heads, dim = (parts + [4, 2, 8][len(parts) :])[:3]
-        return ArrayEngine(array_layout(layers=layers, kv_heads=heads, head_dim=dim, dtype="f32"), name=f"arrays-{layers}x{heads}x{dim}")
-    raise SecurityError("config", f"unknown engine {spec!r} (smollm2 or arrays:L:H:D)")
+    return registry_load(spec, threads=threads)
 
 
 def chunk_tokens(engine) -> int:

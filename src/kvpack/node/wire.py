@@ -26,8 +26,10 @@ admission.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 
+from ..durable import atomic_write
 from ..engine.contract import LAYER_FULL, CacheLayout, sha256_hex
 from ..errors import EngineError
 from ..handoff.manifest import ExactIdentityV1
@@ -136,9 +138,9 @@ def identity_file_json(engine) -> dict:
 
 
 def write_identity_file(engine, path: str) -> None:
-    with open(path, "w", encoding="utf-8") as fh:
-        json.dump(identity_file_json(engine), fh, indent=2, sort_keys=True)
-        fh.write("\n")
+    """Publish the identity file durably (temp file, fsync, rename): it is not secret (0644)."""
+    body = json.dumps(identity_file_json(engine), indent=2, sort_keys=True).encode() + b"\n"
+    atomic_write(os.path.abspath(path), body, mode=0o644)
 
 
 def held_digest(tokens) -> str:

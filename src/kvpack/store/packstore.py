@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from ..durable import REAL_OPS, FileOps
-from ..engine.contract import CacheLayout, IdentityIds
+from ..engine.contract import CacheLayout, Engine, IdentityIds
 from ..engine.restore import Buffer, ChunkJob, RestoreTuning, default_workers, install_chunks
 from ..errors import FormatError, StoreError
 from ..format import constants as C
@@ -501,7 +501,7 @@ class PackStore:
 def _engine_ids(session: Any) -> IdentityIds:
     """The session engine's identity ids (cached by engines that offer ``ids()``)."""
     engine = session.engine
-    return engine.ids() if hasattr(engine, "ids") else engine.identity.ids()
+    return engine.ids() if isinstance(engine, Engine) else engine.identity.ids()
 
 
 def _corrupt(what: str, exc: FormatError) -> StoreError:

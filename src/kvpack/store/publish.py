@@ -22,7 +22,7 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from ..engine.contract import CacheLayout
+from ..engine.contract import CacheLayout, SpanExport
 from ..errors import FormatError, StoreError
 from ..format import constants as C
 from ..format.build import build_schema
@@ -252,7 +252,7 @@ def _span_exports(store: PackStore, session: Any, jobs: list, cut: int) -> Itera
     """``(plaintext, release)`` per job, in order. Sessions offering ``export_spans``
     (the CUDA adapter: asynchronous copies through pinned buffers, running ahead of the
     hashing) get every span at once; ``release`` (or None) frees the buffer after use."""
-    export_spans = getattr(session, "export_spans", None)
+    export_spans = session.export_spans if isinstance(session, SpanExport) else None
     if export_spans is None:
         for fs, _i, span in jobs:
             yield _span_plaintext(session, fs.key.layer, fs.key.name, span.token_start, span.token_start + span.token_count, cut), None
