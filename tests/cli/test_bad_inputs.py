@@ -99,6 +99,7 @@ BASES: dict[tuple[str, ...], dict] = {
     ("verify",): {"pos": ["{chunk}"], "opt": {"--root-key-file": "{key}", "--pack": "{pack}"}},
     ("probe-volume",): {"pos": ["{root}"], "opt": {"--iterations": "2", "--max-tail-ms": "5"}},
     ("schedule",): {"pos": [], "opt": {"--preset": "muse", "--position": "1000", "--cut": "0"}},
+    ("identity",): {"pos": [], "opt": {"--engine": ENGINE, "--threads": "1", "--out": "{root}/identity.json"}},
     ("store", "init"): {"pos": ["{root}/s-new"], "opt": {"--tenant": "t", "--chunk-bytes": "4096", "--s3-credentials": "{key}"}},
     ("store", "save"): {"pos": ["{store}"], "opt": {"--prompt": "p", "--threads": "1", "--root-key-file": "{key}", "--s3-credentials": "{key}"}},
     ("store", "ls"): {"pos": ["{store}"], "opt": {"--root-key-file": "{key}", "--s3-credentials": "{key}"}},
