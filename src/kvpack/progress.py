@@ -73,6 +73,7 @@ def bar(description: str, total: float | None, *, unit: str = "tokens") -> Itera
         yield lambda _n: None
         return
     try:
+        from rich.console import Console
         from rich.progress import BarColumn, DownloadColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TransferSpeedColumn
     except ImportError:
         yield lambda _n: None
@@ -80,7 +81,7 @@ def bar(description: str, total: float | None, *, unit: str = "tokens") -> Itera
     columns = [TextColumn("{task.description}"), BarColumn()]
     columns += [DownloadColumn(), TransferSpeedColumn()] if unit == "bytes" else [MofNCompleteColumn(), TextColumn(unit)]
     columns.append(TimeElapsedColumn())
-    with _live(), Progress(*columns, transient=True) as progress:
+    with _live(), Progress(*columns, console=Console(stderr=True), transient=True) as progress:
         task = progress.add_task(description, total=total)
         yield lambda n: progress.advance(task, n)
 

@@ -542,6 +542,7 @@ MISSING_EXTRAS = [
     ("prometheus_client", ["receiver", "--config", "{rcfg}", "--engine", ENGINE, "--no-store"], "node"),
     ("transformers", ["demo"], "engine"),
     ("torch", ["receiver", "--config", "{rcfg}", "--no-store"], "engine"),
+    ("boto3", ["store", "ls", "s3://bucket/prefix", "--endpoint", "http://127.0.0.1:1", "--root-key-file", "{key}"], "store"),
 ]
 
 
@@ -552,7 +553,8 @@ def test_missing_extra_names_it(world, monkeypatch, module, argv, extra):
     for name in list(sys.modules):
         if name == module or name.startswith(module + "."):
             monkeypatch.delitem(sys.modules, name)
-    for name in [n for n in sys.modules if n.startswith("kvpack.node") or n.startswith("kvpack.engine.transformers") or n == "kvpack.engine.models"]:
+    lazy = ("kvpack.node", "kvpack.engine.transformers", "kvpack.engine.models", "kvpack.store.s3")
+    for name in [n for n in sys.modules if n.startswith(lazy)]:
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setitem(sys.modules, module, None)  # import raises ModuleNotFoundError
     r = run_cli([a.format(**vars(world)) for a in argv])

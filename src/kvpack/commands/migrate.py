@@ -126,9 +126,11 @@ class NodeClient:
         bar = None
         try:
             if show and sys.stderr.isatty():
+                from rich.console import Console
                 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
-                bar = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(), transient=True)
+                columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn())
+                bar = Progress(*columns, console=Console(stderr=True), transient=True)
                 bar.start()
                 task = bar.add_task(tid, total=None)
             while True:

@@ -168,8 +168,11 @@ def cmd_request(args: argparse.Namespace) -> int:
         payload["tokens"] = read_token_ids(args.tokens_file, stdin_text=sys.stdin.read() if args.tokens_file == "-" else None)
     else:
         payload["prompt"] = args.prompt
+    from ..progress import status
+
     try:
-        reply = request_local(args.socket, payload, timeout=args.timeout)
+        with status("waiting for the decode node: plan, prefill and transfer (or local reuse), decode ..."):
+            reply = request_local(args.socket, payload, timeout=args.timeout)
     except FileNotFoundError:
         raise NetworkError("unreachable", f"no local API socket at {args.socket} (is kvpack receiver running with this --socket?)") from None
     except ConnectionRefusedError:

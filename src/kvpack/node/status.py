@@ -282,6 +282,13 @@ def _replay_ledger(node: Any) -> dict[str, Any]:
     return out
 
 
+def _resident(resident: Any) -> dict[str, Any] | None:
+    if resident is None:
+        return None
+    nbytes = getattr(resident, "nbytes", 0)
+    return {"entries": len(resident), "bytes": int(nbytes() if callable(nbytes) else nbytes), "max_bytes": getattr(resident, "max_bytes", None)}
+
+
 def attach_receiver(node: Any, *, cluster_dir: str | None = None) -> None:
     """Register the decode node's snapshot and readiness checks (called from its start())."""
     board: StatusBoard = node.metrics.status
@@ -304,7 +311,7 @@ def attach_receiver(node: Any, *, cluster_dir: str | None = None) -> None:
         out: Snapshot = {
             "node": {"model": labels, "data_port": getattr(node, "data_port", None), "cluster_dir": cluster_dir},
             "sessions": sessions,
-            "resident": None if resident is None else {"entries": len(resident), "bytes": resident.nbytes(), "max_bytes": resident.max_bytes},
+            "resident": _resident(resident),
             "transfers": _recent(node.receipts),
             "ledger": _replay_ledger(node),
             "store": store_usage() if store_usage else None,
@@ -338,7 +345,7 @@ def attach_producer(node: Any, *, cluster_dir: str | None = None) -> None:
         out: Snapshot = {
             "node": {"model": labels, "control_port": getattr(node, "control_port", None), "cluster_dir": cluster_dir},
             "sessions": [],
-            "resident": None if resident is None else {"entries": len(resident), "bytes": resident.nbytes(), "max_bytes": resident.max_bytes},
+            "resident": _resident(resident),
             "transfers": _recent(node.receipts),
             "ledger": {"open": ledger is not None, "path": getattr(ledger, "path", None), "next_generation": getattr(ledger, "next", None)},
             "store": store_usage() if store_usage else None,
