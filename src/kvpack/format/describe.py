@@ -2,6 +2,14 @@
 
 Detection is by magic. Keyless where the object allows it: a plain pack shows its whole
 manifest; an encrypted pack shows its header unless a key ring is given.
+
+Without a key, every check that needs none still runs, so damage is refused wherever the
+object can show it: a pack's structure and header digest, and for a plain pack the manifest
+id (SHA-256 over the body), its length and the manifest's own validation; a chunk's
+structure and header digest. What only a key can prove is listed in ``unverified`` (the
+pack's footer HMAC, an encrypted manifest, a chunk's payload) and ``verified`` is false:
+``kvpack inspect`` then says "structure ok, not verified" and ``kvpack verify`` (with the
+root key) is the command that proves the object.
 """
 
 from __future__ import annotations
@@ -10,10 +18,11 @@ import hashlib
 from typing import Any
 
 from . import constants as C
-from .chunk import ChunkHeader, KeyRing, _structural
+from .chunk import ChunkHeader, KeyRing, _structural, header_digest
+from .validate import validate_manifest
 from .codec import decode_frame
 from .objects import Family, Manifest, Schema, StateDeclaration
-from .pack import decode_pack, pack_structure
+from .pack import _header_digest, decode_pack, pack_structure
 from .sidecar import StatsSidecar
 from .wire import fail
 
@@ -112,6 +121,25 @@ def _manifest(m: Manifest) -> dict[str, Any]:
     }
 
 
+def _keyless_pack(data: bytes, h: Any) -> dict[str, Any]:
+    """Every pack check that needs no key (decode_pack's order); what is left is listed."""
+    if _header_digest(bytes(data[: C.HEADER_BYTES])) != h.header_digest:
+        raise fail("checksum", "pack: header digest mismatch")
+    out: dict[str, Any] = {"verified": False, "unverified": ["footer HMAC (needs the root key)"]}
+    if h.encrypted:
+        out["unverified"].append("manifest (encrypted; needs the root key)")
+        return out
+    body = bytes(data[C.HEADER_BYTES : len(data) - C.HEADER_BYTES])
+    if len(body) != h.plaintext_bytes or hashlib.sha256(C.D_MANIFEST + body).digest() != h.manifest_id:
+        raise fail("authentication", "pack: manifest length or id differs from the header")
+    manifest = Manifest.decode(body, validate=False)
+    if manifest.tenant != h.tenant or manifest.key_epoch != h.key_epoch:
+        raise fail("authentication", "pack: manifest tenant/epoch differ from the header")
+    validate_manifest(manifest)
+    out["manifest"] = _manifest(manifest)
+    return out
+
+
 def describe(data: bytes, *, root: bytes | None = None) -> dict[str, Any]:
     kind = detect_kind(data)
     out: dict[str, Any] = {"kind": kind, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
@@ -129,13 +157,14 @@ def describe(data: bytes, *, root: bytes | None = None) -> dict[str, Any]:
             manifest, _ = decode_pack(data, KeyRing(root, h.tenant))
             out["verified"] = True
             out["manifest"] = _manifest(manifest)
-        elif not h.encrypted:
-            # keyless view: structural decode of the plain body (not authenticated)
-            body = bytes(data[C.HEADER_BYTES : len(data) - C.HEADER_BYTES])
-            out["verified"] = False
-            out["manifest"] = _manifest(Manifest.decode(body, validate=False))
+        else:
+            out.update(_keyless_pack(data, h))
     elif kind == "chunk":
         ch = _structural(data)
+        if header_digest(bytes(data[: C.HEADER_BYTES])) != ch.header_digest:
+            raise fail("authentication", "chunk: header digest mismatch")
+        out["verified"] = False
+        out["unverified"] = ["payload: its object digest is in the manifest ref and its content id is keyed (kvpack verify --pack)"]
         out.update(
             codec={1: "raw", 2: "lossless"}[ch.codec],
             encrypted=ch.encrypted,
