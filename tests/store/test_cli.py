@@ -104,7 +104,8 @@ def test_store_verbs_on_s3(tmp_path, seaweed):
     common = ["--endpoint", seaweed.endpoint, "--s3-credentials", seaweed.credentials_file, "--root-key-file", key]
     r = run("store", "init", loc, "--chunk-bytes", "4096", *common)
     assert r.returncode == 0, r.stderr
-    assert run("store", "init", loc, *common).returncode == 1  # already a store: refused
+    again = run("store", "init", loc, *common)
+    assert again.returncode == 2 and "already holds a store" in again.stderr  # refused: a usage error
     store = PackStore.open(loc, endpoint=seaweed.endpoint, credentials_file=seaweed.credentials_file, root_key_file=key)
     config = store.env.read("store.json").decode()
     assert seaweed.secret_key not in config and seaweed.access_key not in config and '"external"' in config
@@ -127,10 +128,11 @@ def test_store_verbs_on_s3(tmp_path, seaweed):
     if left:
         r = run("store", "forget", loc, left[0]["manifest_id"], *common)
         assert r.returncode == 0, r.stderr
-    assert run("store", "forget", loc, top["manifest_id"][:10], *common).returncode == 2
+    gone = run("store", "forget", loc, top["manifest_id"][:10], *common)  # quarantined above: no such cut
+    assert gone.returncode == 1 and gone.stderr.startswith("kvpack: miss:"), gone.stderr
     assert run("store", "gc", loc, "--json", *common).returncode == 0
     outputs = r.stdout + r.stderr
     assert seaweed.secret_key not in outputs
     # without credentials the S3 call is refused with one line
     r = run("store", "ls", loc, "--endpoint", seaweed.endpoint, "--root-key-file", key)
-    assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1 and r.stderr.startswith("kvpack: "), r.stderr

@@ -51,7 +51,8 @@ def _assert_restores(store, eng, tokens, cut) -> None:
 KILLED_CHILD = textwrap.dedent(
     """
     import itertools
-        from store.helpers import engine, TOKENS
+    from kvpack.store import PackStore
+    from store.helpers import engine, TOKENS
     store = PackStore.open({location!r})
     eng = engine()
     print("ready", flush=True)
@@ -100,7 +101,8 @@ PUBLISHER = textwrap.dedent(
     """
     import json, sys, time
     from kvpack.errors import StoreError
-        from store.helpers import engine, TOKENS
+    from kvpack.store import PackStore
+    from store.helpers import engine, TOKENS
     store = PackStore.open({location!r})
     eng = engine()
     deadline = time.monotonic() + {seconds}
