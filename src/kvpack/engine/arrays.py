@@ -52,7 +52,7 @@ class ArrayEngine:
             context_policy={"max_context": max_context},
             adapter={"name": "none"},
             weight_precision="exact",
-            engine_abi={"engine": "kvpack.engine.arrays", "version": 1},
+            engine_abi={"engine": "kvpack.engine.arrays", "version": 2},
             scalars=dict(scalars or {"scale": 1.0}),
             layout=layout,
         )
@@ -70,25 +70,73 @@ class ArrayEngine:
         return ArraySession(self)
 
 
+#: lane masks that clear the top exponent bit of each float element: every row is finite
+_FINITE_MASK = {2: np.uint16(0xBBFF), 4: np.uint32(0xBF7FFFFF)}
+
+
 def _rows(spec: LayerSpec, role: str, positions: np.ndarray, tokens: np.ndarray) -> np.ndarray:
-    """Deterministic token-major rows (uint8 view) for the given absolute positions."""
+    """Deterministic token-major rows (uint8 view) for the given absolute positions.
+
+    Two passes over the output (a broadcast add of a per-row and a per-lane term, wrapping in
+    the element's width, then a mask keeping float planes finite): a prefill chunk costs
+    about what copying its rows costs, so the engine never bounds a transfer benchmark.
+    """
     n = positions.size
     width = DTYPE_WIDTH[spec.dtype]
-    words = spec.row_bytes // 4 if spec.row_bytes % 4 == 0 else spec.row_bytes
+    floats = width in (2, 4) and spec.row_bytes % width == 0
+    lane_type = {2: np.uint16, 4: np.uint32}[width] if floats else np.uint8
+    lanes = spec.row_bytes // np.dtype(lane_type).itemsize
     base = positions.astype(np.uint64) * np.uint64(0x9E3779B1) + tokens.astype(np.uint64) * np.uint64(0x85EBCA77)
     base ^= np.uint64(spec.index * 2 + (1 if role == "v" else 0)) * np.uint64(0xC2B2AE3D)
-    lanes = np.arange(words, dtype=np.uint64)
-    mixed = (base[:, None] * np.uint64(2654435761) + lanes[None, :] * np.uint64(40503)) & np.uint64(0xFFFFFFFF)
-    if width in (2, 4) and spec.row_bytes % 4 == 0:
-        # keep float planes finite: a small integer cast to the plane's float type
-        vals = (mixed % np.uint64(2048)).astype(np.float32) - 1024.0
-        dt = {"f16": np.float16, "f32": np.float32, "bf16": np.float32}[spec.dtype]
-        arr = vals.astype(dt)
-        if spec.dtype == "bf16":
-            arr = (arr.view(np.uint32) >> 16).astype(np.uint16)
-        flat = arr.reshape(n, -1).view(np.uint8).reshape(n, -1)
-        return np.ascontiguousarray(flat[:, : spec.row_bytes])
-    return (mixed & np.uint64(0xFF)).astype(np.uint8).reshape(n, -1)[:, : spec.row_bytes]
+    row_term = ((base * np.uint64(2654435761)) >> np.uint64(16)).astype(lane_type)
+    lane_term = (np.arange(lanes, dtype=np.uint64) * np.uint64(40503)).astype(lane_type)
+    out = np.add(row_term[:, None], lane_term[None, :], dtype=lane_type)
+    if floats:
+        out &= _FINITE_MASK[width]
+    return out.view(np.uint8).reshape(n, spec.row_bytes)
+
+
+class _Plane:
+    """One ``(layer, role)`` plane: a row buffer with spare capacity and the absolute position
+    of its first row. Rows are appended in place, so a prefill in chunks costs one copy per
+    row (amortised), never the ``np.concatenate`` of everything so far per chunk (quadratic).
+
+    A buffer is never rewritten in place once rows are stored: growing or dropping rows that
+    slid out of a window allocates a new buffer, so a view handed out by ``export_rows``
+    keeps the bytes it had.
+    """
+
+    __slots__ = ("buf", "base", "rows")
+
+    def __init__(self, row_bytes: int, capacity: int = 0, base: int = 0) -> None:
+        self.buf = np.empty((capacity, row_bytes), np.uint8)
+        self.base = base  # absolute position of buf[0]
+        self.rows = 0  # valid rows: absolute [base, base + rows)
+
+    @classmethod
+    def adopt(cls, rows: np.ndarray, base: int) -> "_Plane":
+        plane = cls(rows.shape[1])
+        plane.buf, plane.base, plane.rows = rows, base, rows.shape[0]
+        return plane
+
+    def view(self, start: int, stop: int) -> np.ndarray:
+        return self.buf[start - self.base : stop - self.base]
+
+    def append(self, rows: np.ndarray, keep_from: int, reserve_to: int) -> None:
+        """Append ``rows`` at ``base + rows``; rows before ``keep_from`` may be dropped;
+        capacity for absolute positions up to ``reserve_to`` is allocated in one go."""
+        start = self.base + self.rows
+        end = start + rows.shape[0]
+        if end - self.base > self.buf.shape[0]:
+            keep = max(self.base, min(keep_from, start))
+            need = max(end, reserve_to) - keep
+            # geometric growth: decode appends one row at a time in amortised O(1)
+            capacity = max(need, 2 * (start - keep), 64)
+            fresh = np.empty((capacity, self.buf.shape[1]), np.uint8)
+            fresh[: start - keep] = self.buf[keep - self.base : start - self.base]
+            self.buf, self.base, self.rows = fresh, keep, start - keep
+        self.buf[start - self.base : end - self.base] = rows
+        self.rows += rows.shape[0]
 
 
 class ArraySession:
@@ -96,9 +144,9 @@ class ArraySession:
         self.engine = engine
         self.layout = engine.layout
         self.tokens: list[int] = []
-        self.planes: dict[tuple[int, str], np.ndarray] = {
-            (s.index, r): np.zeros((0, s.row_bytes), np.uint8) for s in self.layout.layers for r in self.layout.roles
-        }
+        self._planes: dict[tuple[int, str], _Plane] = {(s.index, r): _Plane(s.row_bytes) for s in self.layout.layers for r in self.layout.roles}
+        # SHA-256 of the token ids so far (<u4), continued per chunk: the logits seed
+        self._token_hash = hashlib.sha256()
         self.last_logits: np.ndarray | None = None
 
     @property
@@ -108,29 +156,38 @@ class ArraySession:
     def prefill(self, token_ids: Sequence[int], chunk_size: int | None = None, on_chunk=None) -> None:
         ids = [int(t) for t in token_ids]
         step = chunk_size or max(1, len(ids))
+        end = self.position + len(ids)  # planes are sized for the whole prompt up front
         i = 0
         while i < len(ids):
             pos = self.position
             n = min(len(ids) - i, (pos // step + 1) * step - pos)
-            self._append(ids[i : i + n])
+            self._append(ids[i : i + n], end)
             i += n
             if on_chunk is not None:
                 on_chunk(self)
 
-    def _append(self, ids: list[int]) -> None:
+    def _append(self, ids: list[int], reserve_to: int) -> None:
         start = self.position
         positions = np.arange(start, start + len(ids))
         toks = np.asarray(ids, dtype=np.int64)
         self.tokens.extend(ids)
         for spec in self.layout.layers:
             lo, _hi = spec.retained_range(self.position)
+            # a windowed plane never needs more than its window plus this chunk
+            reserve = reserve_to if spec.kind != LAYER_WINDOWED else min(reserve_to, self.position + spec.window_tokens)
             for role in self.layout.roles:
-                plane = np.concatenate([self.planes[(spec.index, role)], _rows(spec, role, positions, toks)])
-                have_lo = self.position - plane.shape[0]
-                self.planes[(spec.index, role)] = plane[lo - have_lo :] if lo > have_lo else plane
-        h = hashlib.sha256(np.asarray(self.tokens, dtype="<u4").tobytes()).digest()
-        rng = np.random.default_rng(int.from_bytes(h[:8], "little"))
+                self._planes[(spec.index, role)].append(_rows(spec, role, positions, toks), lo, reserve)
+        self._token_hash.update(np.asarray(ids, dtype="<u4").tobytes())
+        rng = np.random.default_rng(int.from_bytes(self._token_hash.digest()[:8], "little"))
         self.last_logits = rng.standard_normal(self.layout.vocab_size).astype(np.float32)
+
+    def _adopt(self, planes: dict[tuple[int, str], np.ndarray], tokens: list[int], logits: np.ndarray | None) -> None:
+        """Take an install's planes (retained rows at ``tokens``' length) as the live cache."""
+        position = len(tokens)
+        self._planes = {key: _Plane.adopt(rows, self.layout.retained_range(key[0], position)[0]) for key, rows in planes.items()}
+        self.tokens = list(tokens)
+        self._token_hash = hashlib.sha256(np.asarray(self.tokens, dtype="<u4").tobytes())
+        self.last_logits = logits
 
     def decode_greedy(self, n: int, stop_token_ids: Iterable[int] = ()) -> tuple[list[int], list[np.ndarray]]:
         """Greedy decode ``n`` tokens (first maximum of the f32 row); returns (tokens, rows)."""
@@ -158,7 +215,7 @@ class ArraySession:
             raise EngineError("layout", f"rows [{start}, {stop}) outside retained [{lo}, {hi})")
         if start == stop:
             return memoryview(b"")
-        return np.ascontiguousarray(self.planes[(layer, role)][start - lo : stop - lo]).data.cast("B")
+        return np.ascontiguousarray(self._planes[(layer, role)].view(start, stop)).data.cast("B")
 
     def export_logits(self) -> memoryview:
         if self.last_logits is None:
@@ -232,10 +289,7 @@ class ArrayInstall(InstallContext):
             raise EngineError("install", f"{len(self.missing())} states incomplete")
         if require_logits and self._logits is None:
             raise EngineError("install", "no final-logits row")
-        s = self.session
-        s.planes = self._planes
-        s.tokens = list(self.tokens)
-        s.last_logits = self._logits
+        self.session._adopt(self._planes, self.tokens, self._logits)
         self.state = "committed"
 
     def abort(self) -> None:
