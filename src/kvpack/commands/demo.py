@@ -258,7 +258,7 @@ def register(sub) -> None:
 
     p = sub.add_parser("demo", help="disaggregated prefill with SmolLM2 on a throwaway loopback cluster, with proofs")
     p.add_argument("--max-new-tokens", type=int_range(1, 512, what="a token count"), default=24, help="tokens to decode per question")
-    p.set_defaults(func=cmd_demo)
+    p.set_defaults(func=cmd_demo, extras=("engine", "node"))
 
 
 if __name__ == "__main__":  # the restore child: python -m kvpack.commands.demo --restore-child STORE TOKENS N

@@ -45,7 +45,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", required=True, type=existing_file, help="the local decode node's config file (node.json)")
     p.add_argument("--no-wait", action="store_true", help="return after the node accepted the transfer")
     p.add_argument("--timeout", type=duration, default=3600.0, help="seconds to wait for a final status")
-    p.set_defaults(func=cmd_migrate)
+    p.set_defaults(func=cmd_migrate, extras=("node",))
 
     t = sub.add_parser("transfer", help="session transfer status and reconciliation")
     ts = t.add_subparsers(dest="transfer_command", metavar="ACTION")
@@ -53,16 +53,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     q = ts.add_parser("status", help="the TransferView of a transfer")
     q.add_argument("transfer_id", type=ident, help=f"transfer id ({ID_HELP})")
     q.add_argument("--config", required=True, type=existing_file, help="the local decode node's config file (node.json)")
-    q.set_defaults(func=cmd_status)
+    q.set_defaults(func=cmd_status, extras=("node",))
     q = ts.add_parser("reconcile", help="look the transfer up at its destination and finish it")
     q.add_argument("transfer_id", type=ident, help=f"transfer id ({ID_HELP})")
     q.add_argument("--config", required=True, type=existing_file, help="the local decode node's config file (node.json)")
     q.add_argument("--timeout", type=duration, default=3600.0, help="seconds to wait for the node's answer")
-    q.set_defaults(func=cmd_reconcile)
+    q.set_defaults(func=cmd_reconcile, extras=("node",))
 
     s = sub.add_parser("decode-node-api", help="serve the decode node's migration API (HTTPS, loopback)")
     s.add_argument("--config", required=True, type=existing_file, help="the decode node's config file (node.json, docs/migration.md)")
-    s.set_defaults(func=cmd_serve, log_default="info")
+    s.set_defaults(func=cmd_serve, log_default="info", extras=("node",))
 
     n = sub.add_parser("storage-node", help="storage-tier enrollment")
     ns = n.add_subparsers(dest="storage_command", metavar="ACTION")

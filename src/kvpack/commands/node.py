@@ -231,12 +231,12 @@ def register(sub) -> None:
     _common(p)
     p.add_argument("--socket", type=unix_socket_path, help="local API Unix socket (default: <config dir>/state/receiver.sock)")
     p.add_argument("--advertise-port", type=port, help="data port to advertise in requests (NAT, proxies)")
-    p.set_defaults(func=cmd_receiver)
+    p.set_defaults(func=cmd_receiver, extras=("node",))
 
     p = sub.add_parser("producer", help="run the prefill node (Handoff V2 producer) daemon")
     _common(p)
     p.add_argument("--pacing-bytes-per-s", type=positive_float, help="pace data writes (upstream paces at 1e9 B/s)")
-    p.set_defaults(func=cmd_producer)
+    p.set_defaults(func=cmd_producer, extras=("node",))
 
     p = sub.add_parser("request", help="ask a running decode node to complete a prompt")
     p.add_argument("--socket", required=True, type=unix_socket_path, help="the receiver's local API socket")
@@ -247,7 +247,7 @@ def register(sub) -> None:
     p.add_argument("--max-new-tokens", type=max_new_tokens, default=32, help="tokens to decode after the prompt")
     p.add_argument("--save", action="store_true", help="also save the prompt's cut to the receiver's pack store")
     p.add_argument("--timeout", type=duration, default=900.0, help="seconds to wait for the reply")
-    p.set_defaults(func=cmd_request)
+    p.set_defaults(func=cmd_request, extras=("node",))
 
 
 def _tokens_file(text: str) -> str:

@@ -25,19 +25,19 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     q = ss.add_parser("list", help="every session on the node: id, live|fenced, bundle size")
     q.add_argument("--config", required=True, type=existing_file, help=CONFIG_HELP)
-    q.set_defaults(func=cmd_list)
+    q.set_defaults(func=cmd_list, extras=("node",))
 
     q = ss.add_parser("create", help="create a session: the node prefills the prompt token ids")
     q.add_argument("--config", required=True, type=existing_file, help=CONFIG_HELP)
     q.add_argument("--tokens-file", required=True, type=existing_file, help="JSON list of prompt token ids")
     q.add_argument("--session-id", type=ident, help=f"session id ({ID_HELP}; default: the node picks one)")
     q.add_argument("--seed", type=nonneg_int, default=0, help="sampler seed recorded with the session")
-    q.set_defaults(func=cmd_create)
+    q.set_defaults(func=cmd_create, extras=("node",))
 
     q = ss.add_parser("show", help="one session: position, revision, cache digest, live|fenced")
     q.add_argument("session", type=ident, help=f"session id ({ID_HELP})")
     q.add_argument("--config", required=True, type=existing_file, help=CONFIG_HELP)
-    q.set_defaults(func=cmd_show)
+    q.set_defaults(func=cmd_show, extras=("node",))
 
 
 def _call(args, method: str, url: str, **kw) -> dict:
