@@ -55,6 +55,10 @@ def test_one_host_section_runs_as_written(tmp_path):
     assert "full_transfer" in out and re.search(r"^committed\t", out, re.M)
     assert 'id="ready" class="ok">ready' in out
     assert out.rstrip().endswith(f"loopback cluster OK in {work}")
+    for log in ("producer.log", "receiver.log"):  # not a terminal: no third-party progress bars
+        text = (work / log).read_text()
+        assert "Loading weights" not in text and "\r" not in text, text[-2000:]
+        assert all(json.loads(line)["event"] for line in text.splitlines() if line.strip())
     reply = json.loads((work / "reply.json").read_text())
     assert reply["ok"] and reply["result"]["transfer"]["payload_bytes"] > 0
 

@@ -175,6 +175,11 @@ def test_daemon_logs_one_json_line_per_transfer_with_its_receipt(running):
     assert {e["verdict"] for e in transfers} == {"committed", "refused"}
     assert all(e["level"] in ("info", "warning") and e["ts"].endswith("Z") and e["logger"] == "kvpack.node.receipts" for e in transfers)
     assert any(e["event"] == "ready" and e["metrics_url"] == running["base"] for e in lines)
+    # one line per request, naming the receipt of the transfer that served it
+    requests = [e for e in lines if e["event"] == "request"]
+    committed = next(e["receipt"] for e in transfers if e["verdict"] == "committed")
+    assert len(requests) == 1 and requests[0]["ok"] is True and requests[0]["receipt"] == committed
+    assert requests[0]["action"] == "full_transfer" and requests[0]["decoded_tokens"] == 4
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="Debian chromium is not installed (scripts/install.sh installs it as root)")

@@ -454,6 +454,7 @@ def serve(config_path: str) -> None:
         proxy_headers=False,
         server_header=False,
         log_level="warning",
+        log_config=None,  # keep kvpack's JSON-lines handler (kvpack.logs) on uvicorn's loggers
         lifespan="off",
         timeout_keep_alive=limits.header_timeout_s,  # type: ignore[arg-type]
         limit_concurrency=limits.max_connections,

@@ -56,7 +56,7 @@ from ..security.tls import client_context, connect, listen, server_context, wrap
 from .common import ReceiptWriter, close_listener, greedy, logits_bytes, now_ms, read_control, readable, verdict_of
 from .ladder import DurableMiss, HeldPrefix, Ladder, Plan, ResidentRadix, RowsSource
 from .metrics import NodeMetrics
-from .status import attach_receiver
+from .status import attach_receiver, log_request
 from .wire import TileGeometry, copy_prefix, held_digest, scatter_tile, span_layout, wire_identity
 
 #: kvpack's extension key in the MUPCTL1 request: the delta cut the receiver armed. The
@@ -747,6 +747,7 @@ class ReceiverNode:
             except BaseException as exc:  # noqa: BLE001 - reported to the client
                 reason, detail = verdict_of(exc)
                 reply = {"ok": False, "error": {"reason": reason, "detail": detail}}
+            log_request(reply)
             conn.sendall(json.dumps(reply, default=str).encode() + b"\n")
 
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import html
 import json
+import logging
 import os
 import platform
 import threading
@@ -37,6 +38,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .. import __version__
+from ..logs import event
 
 Snapshot = dict[str, Any]
 Provider = Callable[[], Snapshot]
@@ -180,6 +182,33 @@ def _recent(writer: Any) -> list[dict[str, Any]]:
         recent = load_recent_receipts(writer.directory)
         writer.recent.extend(recent)
     return list(reversed(recent[-50:]))  # newest first
+
+
+_request_log = logging.getLogger("kvpack.node.requests")
+
+
+def log_request(reply: dict[str, Any]) -> None:
+    """One JSON log line per local-API request: outcome, plan, TTFT and the receipt id of the
+    transfer that served it (none when the prompt was served from a held prefix)."""
+    if reply.get("ok"):
+        res = reply.get("result") or {}
+        transfer = res.get("transfer") or {}
+        path = transfer.get("receipt_path")
+        event(
+            _request_log,
+            "request",
+            ok=True,
+            prompt_tokens=res.get("prompt_tokens"),
+            action=(res.get("plan") or {}).get("action"),
+            tier=(res.get("plan") or {}).get("tier"),
+            ttft_s=res.get("ttft_s"),
+            decoded_tokens=len(res.get("tokens") or []),
+            request_id=transfer.get("request_id"),
+            receipt=os.path.basename(path)[: -len(".json")] if isinstance(path, str) else None,
+        )
+    else:
+        err = reply.get("error") or {}
+        event(_request_log, "request", level=logging.WARNING, ok=False, reason=err.get("reason"), detail=str(err.get("detail", ""))[:300])
 
 
 # -- store and onboarding -----------------------------------------------------------------------
