@@ -187,10 +187,13 @@ def test_large_payloads_stream_with_defaults():
     r, sink, _ = _receiver(None)
     r.receive_data(b"".join(frames[:2]) + frames[2][: _header_len(frames[2])])
     assert len(r.wanted()) == len(payloads[1])
-    # ... nor before admission (the segment is refused when it completes)
+    # ... and before admission a segment is refused at its header: its declared length never
+    # sizes a buffer (allocate after checking, issue 14)
     r, sink, _ = _receiver(None)
-    r.receive_data(frames[1][: _header_len(frames[1])])
-    assert len(r.wanted()) == len(payloads[0])
+    with pytest.raises(ProtocolError) as info:
+        r.receive_data(frames[1][: _header_len(frames[1])])
+    assert info.value.category == "state" and r.state is ReceiverState.CLOSED
+    assert r.decoder.buffered_bytes < len(payloads[0])
 
 
 def test_large_payload_tampering_identical():

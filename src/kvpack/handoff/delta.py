@@ -99,9 +99,18 @@ class ScheduleWitness:
         self.component_id = component_id
         self.observed: list[SegmentKey] = []
 
+    def peek(self, d: SegmentDescriptorV2) -> None:
+        """Refuse ``d`` if :meth:`observe` would, without recording it (the receiver checks a
+        segment header before it reads, or allocates, the payload)."""
+        self._check(d)
+
     def observe(self, d: SegmentDescriptorV2) -> None:
+        if self._check(d):
+            self.observed.append(descriptor_key(d))
+
+    def _check(self, d: SegmentDescriptorV2) -> bool:
         if d.component_id != self.component_id:
-            return
+            return False
         k = len(self.observed)
         if k >= len(self.expected):
             raise ProtocolError("delta", f"segment {d.sequence}: target segment beyond the span schedule")
@@ -110,7 +119,7 @@ class ScheduleWitness:
                 "delta",
                 f"segment {d.sequence}: {descriptor_key(d)} differs from scheduled {self.expected[k].key()}",
             )
-        self.observed.append(descriptor_key(d))
+        return True
 
     def finish(self) -> None:
         if len(self.observed) != len(self.expected):

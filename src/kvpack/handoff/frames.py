@@ -10,7 +10,9 @@ directly; it never asks for a byte beyond the current frame, so it never holds m
 one frame. Limits are checked *before* any allocation: the header buffer is allocated only
 after the header length passed the 8 MiB limit, and the payload buffer only after the
 header parsed and the frame kind proved that a payload of that size is allowed (control
-frames carry none; a segment carries at least one byte; 512 MiB at most). :meth:`feed` is a
+frames carry none; a segment carries at least one byte; 512 MiB at most) and the optional
+``payload_gate`` (the receiver state machine) accepted that segment in its current state at
+that exact length. :meth:`feed` is a
 convenience over the same machinery for callers that already hold bytes.
 
 Header key order is free on the wire (Rust sends ``kind`` first, Python sorted keys); we
@@ -21,6 +23,7 @@ are not required to be canonical (C.7).
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Optional
 
@@ -151,8 +154,19 @@ class FrameDecoder:
     stream whose framing is lost.
     """
 
-    def __init__(self, limits: FrameLimits = FrameLimits(), *, reuse_payload_buffer: bool = False) -> None:
+    def __init__(
+        self,
+        limits: FrameLimits = FrameLimits(),
+        *,
+        reuse_payload_buffer: bool = False,
+        payload_gate: Optional[Callable[[Segment, int], None]] = None,
+    ) -> None:
         self.limits = limits
+        # Called with a parsed segment header and its declared payload length *before* the
+        # payload buffer is sized from that length: the consumer's state machine refuses
+        # (raises) a segment it would not accept now, or one whose length is not its
+        # descriptor's, so a peer's declared length never allocates memory on its own.
+        self.payload_gate = payload_gate
         # With reuse, one payload buffer serves every frame: a segment's payload view is
         # then valid only until the decoder is advanced again. The receiver uses this (its
         # sink copies during write_segment), which saves a fresh multi-MiB allocation and
@@ -284,6 +298,8 @@ class FrameDecoder:
             if self._payload_len == 0:
                 return self._finish(frame)
             assert isinstance(frame, Segment)  # only a segment header survives a nonzero payload length
+            if self.payload_gate is not None:
+                self.payload_gate(frame, self._payload_len)
             self._pending = frame
             self._set_buffer(self._payload_buffer(self._payload_len), "payload")
             return None

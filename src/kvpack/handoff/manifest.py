@@ -277,15 +277,22 @@ class OverlapTracker:
         self._ends: dict[tuple[str, str, Optional[int]], list[int]] = {}
 
     def add(self, d: SegmentDescriptorV2) -> None:
+        i = self.check(d)
+        lo, hi = d.logical_start, d.logical_start + d.logical_count
+        self._starts.setdefault(d.plane_key, []).insert(i, lo)
+        self._ends.setdefault(d.plane_key, []).insert(i, hi)
+
+    def check(self, d: SegmentDescriptorV2) -> int:
+        """Refuse ``d`` if it overlaps a range already added (records nothing); returns
+        where :meth:`add` inserts it."""
         key = d.plane_key
-        starts = self._starts.setdefault(key, [])
-        ends = self._ends.setdefault(key, [])
+        starts = self._starts.get(key, [])
+        ends = self._ends.get(key, [])
         lo, hi = d.logical_start, d.logical_start + d.logical_count
         i = bisect.bisect_left(starts, lo)
         if (i > 0 and ends[i - 1] > lo) or (i < len(starts) and starts[i] < hi):
             raise ProtocolError("manifest", f"segment {d.sequence}: range [{lo},{hi}) overlaps another for {key}")
-        starts.insert(i, lo)
-        ends.insert(i, hi)
+        return i
 
 
 # --- begin manifest --------------------------------------------------------------------

@@ -174,7 +174,7 @@ class Receiver:
         self.now_unix_ms = now_unix_ms
         self.held_token_ids = held_token_ids
         self.state = ReceiverState.AWAIT_BEGIN
-        self.decoder = FrameDecoder(config.limits, reuse_payload_buffer=True)
+        self.decoder = FrameDecoder(config.limits, reuse_payload_buffer=True, payload_gate=self._admit_payload)
         self.manifest: Optional[BeginManifestV2] = None
         self.prefix_cut = 0
         self.error: Optional[ProtocolError] = None
@@ -394,6 +394,34 @@ class Receiver:
         self._sink_open = True
         self._call("sink", self.sink.begin, m, frame.prefix_cut)
         return [Admitted(m, frame.prefix_cut)]
+
+    def _admit_payload(self, header: Segment, length: int) -> None:
+        """Allocate after checking: before the decoder sizes a payload buffer from the peer's
+        declared ``length``, the segment must be acceptable *now* (an admitted begin came
+        first), its descriptor must pass the C.5 rules and the next schedule slot, and the
+        length must be exactly its descriptor's. The full checks still run on completion."""
+        m = self.manifest
+        if self.state is not ReceiverState.RECEIVING or m is None:
+            raise ProtocolError("state", f"segment in state {self.state.value}: no payload is read before an admitted begin")
+        # the checks of _on_segment, in its order, without recording anything
+        if header.sequence != self._next:
+            raise ProtocolError("sequence", f"segment {header.sequence} where {self._next} was expected")
+        if m.deferred_segments:
+            d = header.descriptor
+            if d is None:
+                raise ProtocolError("sequence", "extra segment: deferred mode needs in-frame descriptors")
+            check_descriptor(d, self._ids)
+            self._overlap.check(d)
+        else:
+            if header.descriptor is not None:
+                raise ProtocolError("sequence", "deferred segment outside deferred receiving mode")
+            if header.sequence >= len(m.segments):
+                raise ProtocolError("sequence", f"extra segment {header.sequence} beyond the {len(m.segments)} declared")
+            d = m.segments[header.sequence]
+        if self._witness is not None:
+            self._witness.peek(d)
+        if length != d.byte_len:
+            raise ProtocolError("digest", f"segment {header.sequence}: {length} payload bytes declared, descriptor says {d.byte_len}")
 
     def _on_segment(self, frame: Segment, stream: Optional[PayloadStream] = None) -> list[Effect]:
         m = self.manifest
