@@ -100,6 +100,7 @@ class ProtocolError(KvpackError):
             "state",  # an event not allowed in the current state
             "replay",  # replay admission refused the transfer
             "reservation",  # durable reservation failed
+            "ledger_unavailable",  # the replay ledger cannot reserve (latched degraded until its volume probes clean)
             "sink",  # the sink refused (prepare/commit)
             "delta",  # prefix_cut / delta witness rules (C.11)
             "aborted",  # peer or local abort
@@ -122,7 +123,8 @@ class SecurityError(KvpackError):
             "certificate",  # certificate missing, expired or not from the CA
             "secret_file",  # key/secret file violates its contract
             "replay",  # generation zero, replayed or stale
-            "degraded",  # ledger latched degraded after a failed reservation
+            "degraded",  # ledger latched degraded after a failed reservation (kept for callers of older releases)
+            "ledger_unavailable",  # the replay ledger cannot reserve: latched after a failed write, until a fresh volume probe passes
             "epoch",  # epoch below the configured minimum
             "ledger",  # ledger file malformed or wrong mode
             "rollback",  # ledger missing, older or emptied against its rollback witness

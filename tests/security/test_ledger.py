@@ -87,12 +87,12 @@ def test_fsync_eio_latches_degraded_until_restart(tmp_path):
     with ReplayLedger.open(path, ops=ops) as led:
         with pytest.raises(SecurityError) as info:
             led.reserve("k", 1, 2)
-        assert info.value.category == "degraded" and "fsync" in info.value.message
+        assert info.value.category == "ledger_unavailable" and "fsync" in info.value.message
         assert led.degraded is not None
         assert read(path) == before
         ops._fail_ops = ()  # storage "repaired": the latch still holds until restart
         for key, epoch, gen in (("k", 1, 2), ("k", 1, 3), ("other", 5, 1)):
-            refuse(led, "degraded", key, epoch, gen)
+            refuse(led, "ledger_unavailable", key, epoch, gen)
         assert not [n for n in os.listdir(tmp_path) if n.endswith(".tmp")]
     with ReplayLedger.open(path) as led:  # restart
         assert led.degraded is None and led.watermark("k", 1) == 1

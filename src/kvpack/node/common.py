@@ -4,22 +4,13 @@ channel under a deadline."""
 
 from __future__ import annotations
 
-import collections
-import json
-import logging
-import os
-import secrets
 import select
 import time
 from typing import Any, Optional, Sequence
 
-from ..durable import atomic_write, ensure_dir
 from ..errors import KvpackError, ProtocolError
 from ..handoff.control import ControlDecoder
-
-RECEIPT_SCHEMA = "kvpack-node-receipt-v1"
-RECENT_RECEIPTS = 256
-log = logging.getLogger("kvpack.node.receipts")
+from .receipts import RECEIPT_SCHEMA, RECENT_RECEIPTS, ReceiptWriter  # noqa: F401 - re-exported (callers import them from here)
 
 
 def now_ms() -> int:
@@ -33,40 +24,6 @@ def verdict_of(exc: BaseException) -> tuple[str, str]:
     if isinstance(exc, (TimeoutError, OSError)):
         return "io", f"{type(exc).__name__}: {exc}"
     return "internal", f"{type(exc).__name__}: {exc}"
-
-
-class ReceiptWriter:
-    """Per-transfer JSON receipts, each published durably (``kvpack.durable.atomic_write``):
-    a receipt that survives is complete, and one for a refusal is evidence, so it is written
-    before the daemon moves on."""
-
-    def __init__(self, directory: str) -> None:
-        self.directory = os.path.abspath(directory)
-        ensure_dir(self.directory, mode=0o700)
-        #: summaries of the latest receipts (status page), newest last
-        self.recent: collections.deque[dict] = collections.deque(maxlen=RECENT_RECEIPTS)
-
-    def write(self, receipt: dict) -> str:
-        """Publish one receipt durably; then log it as one JSON line naming its receipt id."""
-        receipt = {"schema": RECEIPT_SCHEMA, **receipt}
-        name = f"{time.time_ns()}-{receipt.get('role', 'node')}-{receipt.get('verdict', 'x')}-{secrets.token_hex(3)}.json"
-        path = os.path.join(self.directory, name)
-        atomic_write(path, json.dumps(receipt, indent=2, sort_keys=True).encode() + b"\n", mode=0o600)
-        from ..logs import event
-        from .status import summarize_receipt
-
-        summary = summarize_receipt(receipt, name[: -len(".json")])
-        self.recent.append(summary)
-        event(log, "transfer", level=logging.INFO if summary["verdict"] == "committed" else logging.WARNING, **summary)
-        return path
-
-    def all(self) -> list[dict]:
-        out = []
-        for name in sorted(os.listdir(self.directory)):
-            if name.endswith(".json") and not name.startswith("."):
-                with open(os.path.join(self.directory, name), "rb") as fh:
-                    out.append(json.loads(fh.read()))
-        return out
 
 
 def greedy(session, n: int, stop_token_ids: Sequence[int] = ()):

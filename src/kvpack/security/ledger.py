@@ -23,8 +23,9 @@ Rules:
   ACK): admission again, then the new watermark is written with :func:`kvpack.durable.atomic_write`
   (temp O_EXCL 0600, write, fsync, rename, directory fsync). Only after that succeeds does the
   in-memory watermark move. If it fails the ledger *latches degraded*: every later admission is
-  refused until the process restarts, because a durability layer that keeps going after failing
-  to be durable would admit replays after the next crash;
+  refused (category ``ledger_unavailable``: the node cannot currently prove freshness, which is
+  not a replay and must not page as one) until the latch is cleared, because a durability layer
+  that keeps going after failing to be durable would admit replays after the next crash;
 * concurrency: one lock serialises admissions within the process; an exclusive ``flock`` on a
   sibling lock file refuses a second process (or a second open) on the same ledger, since two
   writers would each believe their own watermark;
@@ -36,9 +37,11 @@ Rules:
   one. Recovery is an operator's act: a new HMAC epoch (enrollment ``--rotate``: older epochs are
   not compared, their seals are refused anyway) or :func:`reset_ledger` (``kvpack ledger
   reset``), which only moves watermarks forward and appends to ``<ledger>.resets.log``;
-* the degraded latch can be cleared without a restart by :meth:`ReplayLedger.clear_degraded`,
+* the degraded latch clears without a restart through :meth:`ReplayLedger.clear_degraded`,
   given a fresh passing probe of the ledger's volume (:mod:`.probe`); it re-reads the file and
-  refuses if it went backwards.
+  refuses if it went backwards. The node daemons call it themselves (``kvpack.node.ledger_gate``):
+  an admission that finds the ledger latched re-probes the volume (at most every few seconds)
+  and the transfer proceeds once the probe passes, so freeing space heals the node.
 
 The pure rules (:func:`admission_refusal`, :func:`encode_ledger`, :func:`decode_ledger`) are
 separate from :class:`ReplayLedger`, which does the file I/O.
@@ -106,9 +109,9 @@ def admission_refusal(
     """Return the refusal for this admission, or None when it is admissible. Pure."""
     if degraded is not None:
         return SecurityError(
-            "degraded",
-            f"replay ledger latched degraded after a failed reservation ({degraded}); all "
-            "traffic is refused until storage is repaired and the receiver restarts",
+            "ledger_unavailable",
+            f"replay ledger latched degraded after a failed reservation ({degraded}); transfers "
+            "are refused until a fresh probe of its volume passes (repair or free the volume)",
         )
     if generation == 0:
         return SecurityError("replay", "generation 0 is never admissible (ZeroGeneration)")
@@ -246,7 +249,7 @@ class ReplayLedger:
 
         Returns only once the watermark is on disk (file and directory fsynced) and the witness
         records it (its rename made durable by the next directory fsync). Any failure latches the
-        ledger degraded and raises ``SecurityError('degraded')``: the caller must not publish or
+        ledger degraded and raises ``SecurityError('ledger_unavailable')``: the caller must not publish or
         acknowledge the transfer.
         """
         self._ensure_open()
@@ -265,7 +268,7 @@ class ReplayLedger:
             except Exception as exc:  # noqa: BLE001 - any failure to be durable latches
                 self._degraded = f"{type(exc).__name__}: {exc}"
                 raise SecurityError(
-                    "degraded",
+                    "ledger_unavailable",
                     f"durable reservation of generation {generation} for "
                     f"{ledger_key(key_id, epoch)} failed ({exc}); the ledger is latched "
                     "degraded until restart or a fresh volume probe (clear_degraded)",
@@ -296,7 +299,7 @@ class ReplayLedger:
             try:
                 atomic_write(witness_path(self.path), encode_witness(os.path.basename(self.path), witness), ops=self._ops)
             except DurableIOError as exc:
-                raise SecurityError("degraded", f"the ledger volume still fails ({exc}); the ledger stays degraded") from exc
+                raise SecurityError("ledger_unavailable", f"the ledger volume still fails ({exc}); the ledger stays degraded") from exc
             log.warning("replay ledger %s: degraded latch cleared after a passing volume probe (was: %s)", self.path, self._degraded)
             self._highest, self._witness, self._degraded = highest, witness, None
 

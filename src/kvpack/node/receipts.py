@@ -1,0 +1,330 @@
+"""Receipts and refusal logs that cannot take a node down.
+
+Why this module exists: every transfer leaves evidence (DESIGN.md principle 7), but evidence
+is written to a disk an attacker can fill. A flood of refused connections once wrote one
+fsynced receipt file each (656/s), filled the disk, and the next legitimate transfer then
+latched the replay ledger degraded; a failed receipt write killed the producer's control
+thread and hung the local API. So the rules here are:
+
+* **Receipts are budgeted.** :class:`ReceiptWriter` publishes each receipt durably
+  (``kvpack.durable.atomic_write``) but bounds every field before it is written (a 64 MiB
+  ``request_id`` becomes 128 characters), keeps the directory under a byte, file-count and
+  age budget by deleting the oldest receipts (rotation), and rate-limits *refusal* receipts
+  (a token bucket): refusals beyond the rate are counted in the refusal log instead.
+* **Writes never raise.** A full or failing disk costs the one receipt (counted in
+  :attr:`ReceiptWriter.failures`, logged at most once per interval); it never kills a
+  thread, never blocks a request on an exception path, and never touches the ledger.
+* **Refusals before authentication are aggregated.** A peer that has not passed mutual TLS
+  gets no receipt: :class:`RefusalLog` counts it by reason, remembers the last detail, and
+  writes one summary line per interval to the log and to a size-capped file
+  (``refusals.log``, rotated once to ``refusals.log.1``).
+
+What it must never do: raise out of a write, write an unbounded field, or grow the directory
+past its budget.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import os
+import re
+import secrets
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from ..durable import atomic_write, ensure_dir
+
+RECEIPT_SCHEMA = "kvpack-node-receipt-v1"
+RECENT_RECEIPTS = 256
+#: longest string kept in a receipt field (details, ids); longer ones are cut with a marker
+MAX_FIELD_CHARS = 2048
+#: longest list kept in a receipt (control frames, refusals); the rest is counted
+MAX_LIST_ITEMS = 256
+#: a receipt larger than this after bounding is replaced by its summary fields
+MAX_RECEIPT_BYTES = 256 << 10
+_NAME_PART = re.compile(r"[^a-z0-9_]")
+log = logging.getLogger("kvpack.node.receipts")
+
+
+@dataclass(frozen=True)
+class ReceiptBudget:
+    """How much receipt evidence a node keeps (docs/operations.md, "Receipts and logs").
+
+    ``max_bytes``/``max_files``: the oldest receipts are deleted once either is exceeded;
+    ``max_age_s``: receipts older than this are deleted (checked at most once a minute);
+    ``refusals_per_s``/``refusal_burst``: refusal receipts beyond this rate are only counted.
+    """
+
+    max_bytes: int = 256 << 20
+    max_files: int = 100_000
+    max_age_s: float = 14 * 86400.0
+    refusals_per_s: float = 20.0
+    refusal_burst: int = 200
+
+
+def bound_fields(value: Any, depth: int = 0) -> Any:
+    """``value`` with every string cut to :data:`MAX_FIELD_CHARS` and every list to
+    :data:`MAX_LIST_ITEMS` (recursively, 8 levels): what a peer sent can be echoed into a
+    receipt only in bounded form."""
+    if isinstance(value, str):
+        return value if len(value) <= MAX_FIELD_CHARS else value[:MAX_FIELD_CHARS] + f"...[{len(value) - MAX_FIELD_CHARS} more chars]"
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return f"<{len(value)} bytes>"
+    if depth >= 8:
+        return "<nested too deep>"
+    if isinstance(value, dict):
+        items = list(value.items())
+        out = {str(k)[:128]: bound_fields(v, depth + 1) for k, v in items[:MAX_LIST_ITEMS]}
+        if len(items) > MAX_LIST_ITEMS:
+            out["_truncated_keys"] = len(items) - MAX_LIST_ITEMS
+        return out
+    if isinstance(value, (list, tuple)):
+        out_list = [bound_fields(v, depth + 1) for v in list(value)[:MAX_LIST_ITEMS]]
+        if len(value) > MAX_LIST_ITEMS:
+            out_list.append(f"...[{len(value) - MAX_LIST_ITEMS} more items]")
+        return out_list
+    return value
+
+
+def _name_part(value: Any, default: str) -> str:
+    text = _NAME_PART.sub("", str(value).lower())[:24]
+    return text or default
+
+
+class _TokenBucket:
+    def __init__(self, rate: float, burst: int, clock: Callable[[], float]) -> None:
+        self.rate, self.burst, self.clock = rate, float(burst), clock
+        self.tokens = float(burst)
+        self.stamp = clock()
+
+    def take(self) -> bool:
+        now = self.clock()
+        self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
+        self.stamp = now
+        if self.tokens >= 1.0:
+            self.tokens -= 1.0
+            return True
+        return False
+
+
+class ReceiptWriter:
+    """Per-transfer JSON receipts, each published durably, within a :class:`ReceiptBudget`.
+
+    :meth:`write` returns the receipt's path, or None when it was not written (over the
+    refusal rate, or the write failed: see :attr:`failures`); it never raises.
+    """
+
+    def __init__(self, directory: str, budget: ReceiptBudget = ReceiptBudget(), *, refusal_log: Optional["RefusalLog"] = None) -> None:
+        self.directory = os.path.abspath(directory)
+        ensure_dir(self.directory, mode=0o700)
+        self.budget = budget
+        self.refusal_log = refusal_log
+        #: summaries of the latest receipts (status page), newest last
+        self.recent: collections.deque[dict] = collections.deque(maxlen=RECENT_RECEIPTS)
+        self.failures = 0
+        self.written = 0
+        self.rotated = 0
+        self.last_error: Optional[str] = None
+        self._lock = threading.Lock()
+        self._bucket = _TokenBucket(budget.refusals_per_s, budget.refusal_burst, time.monotonic)
+        self._last_error_log = 0.0
+        self._last_age_check = 0.0
+        self._files: collections.OrderedDict[str, int] = collections.OrderedDict()
+        self._bytes = 0
+        self._index()
+
+    def _index(self) -> None:
+        try:
+            names = sorted(n for n in os.listdir(self.directory) if n.endswith(".json") and not n.startswith("."))
+        except OSError:
+            return
+        for name in names:
+            try:
+                size = os.stat(os.path.join(self.directory, name)).st_size
+            except OSError:
+                continue
+            self._files[name] = size
+            self._bytes += size
+        self._rotate()
+
+    def write(self, receipt: dict) -> Optional[str]:
+        """Publish one receipt durably; then log it as one JSON line naming its receipt id."""
+        try:
+            return self._write(receipt)
+        except Exception as exc:  # noqa: BLE001 - a receipt must never take the node down
+            self._failed(exc)
+            return None
+
+    def _write(self, receipt: dict) -> Optional[str]:
+        body = bound_fields({"schema": RECEIPT_SCHEMA, **receipt})
+        refused = body.get("verdict") != "committed"
+        if refused and not self._bucket.take():
+            if self.refusal_log is not None:
+                self.refusal_log.count(str(body.get("reason", "refused")), "receipt rate exceeded; counted only", str(body.get("detail", "")))
+            return None
+        data = json.dumps(body, indent=2, sort_keys=True, default=str).encode() + b"\n"
+        if len(data) > MAX_RECEIPT_BYTES:
+            keep = {k: body.get(k) for k in ("schema", "role", "verdict", "reason", "detail", "phase", "request_id", "transfer_id", "payload_bytes")}
+            data = json.dumps({**keep, "truncated": True}, indent=2, sort_keys=True, default=str).encode() + b"\n"
+        name = f"{time.time_ns()}-{_name_part(body.get('role'), 'node')}-{_name_part(body.get('verdict'), 'x')}-{secrets.token_hex(3)}.json"
+        path = os.path.join(self.directory, name)
+        atomic_write(path, data, mode=0o600)
+        with self._lock:
+            self._files[name] = len(data)
+            self._bytes += len(data)
+            self.written += 1
+            self._rotate()
+        self._announce(body, name)
+        return path
+
+    def _announce(self, body: dict, name: str) -> None:
+        from ..logs import event
+        from .status import summarize_receipt
+
+        summary = summarize_receipt(body, name[: -len(".json")])
+        self.recent.append(summary)
+        event(log, "transfer", level=logging.INFO if summary["verdict"] == "committed" else logging.WARNING, **summary)
+
+    def _rotate(self) -> None:
+        """Delete the oldest receipts until the directory is within its budget (call with the
+        lock held, or from the constructor)."""
+        b = self.budget
+        now = time.time()
+        expired_before = None
+        if now - self._last_age_check > 60.0:
+            self._last_age_check = now
+            expired_before = int((now - b.max_age_s) * 1e9)
+        while self._files and (self._bytes > b.max_bytes or len(self._files) > b.max_files or _older(next(iter(self._files)), expired_before)):
+            name, size = self._files.popitem(last=False)
+            self._bytes -= size
+            try:
+                os.unlink(os.path.join(self.directory, name))
+                self.rotated += 1
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                self._failed(exc)
+                break
+
+    def _failed(self, exc: BaseException) -> None:
+        self.failures += 1
+        self.last_error = f"{type(exc).__name__}: {exc}"[:500]
+        now = time.monotonic()
+        if now - self._last_error_log >= 10.0:  # at most one line per 10 s, however many fail
+            self._last_error_log = now
+            from ..logs import event
+
+            event(log, "receipt_write_failed", level=logging.ERROR, error=self.last_error, failures=self.failures, directory=self.directory)
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "files": len(self._files),
+                "bytes": self._bytes,
+                "written": self.written,
+                "rotated": self.rotated,
+                "failures": self.failures,
+                "last_error": self.last_error,
+                "budget": {"max_bytes": self.budget.max_bytes, "max_files": self.budget.max_files, "max_age_s": self.budget.max_age_s},
+            }
+
+    def all(self) -> list[dict]:
+        out = []
+        for name in sorted(os.listdir(self.directory)):
+            if name.endswith(".json") and not name.startswith("."):
+                with open(os.path.join(self.directory, name), "rb") as fh:
+                    out.append(json.loads(fh.read()))
+        return out
+
+
+def _older(name: str, before_ns: Optional[int]) -> bool:
+    if before_ns is None:
+        return False
+    stamp = name.split("-", 1)[0]
+    return stamp.isdigit() and int(stamp) < before_ns
+
+
+class RefusalLog:
+    """Aggregated refusals (connections that never authenticated, and refusals beyond the
+    receipt rate): counters by reason, the last detail of each, one summary line per
+    ``interval_s`` to the log and to ``path`` (capped at ``max_bytes``, rotated once).
+
+    :meth:`count` is cheap (a lock, a dict update) and never raises or blocks on I/O for
+    longer than one small append.
+    """
+
+    def __init__(
+        self, role: str, path: Optional[str] = None, *, interval_s: float = 10.0, max_bytes: int = 1 << 20, on_count: Optional[Callable[[str], None]] = None
+    ) -> None:
+        self.role = role
+        self.path = path
+        self.interval_s = interval_s
+        self.max_bytes = max_bytes
+        self.on_count = on_count
+        self.totals: collections.Counter[str] = collections.Counter()
+        self._window: collections.Counter[str] = collections.Counter()
+        self._last: dict[str, str] = {}
+        self._lock = threading.Lock()
+        self._flushed = time.monotonic()
+        self.write_failures = 0
+
+    def count(self, reason: str, detail: str = "", peer: str = "") -> None:
+        reason = _name_part(reason, "refused")
+        with self._lock:
+            self.totals[reason] += 1
+            self._window[reason] += 1
+            self._last[reason] = (f"{peer}: " if peer else "") + detail[:200]
+            due = time.monotonic() - self._flushed >= self.interval_s
+        if self.on_count is not None:
+            try:
+                self.on_count(reason)
+            except Exception:  # noqa: BLE001 - metrics must not break the accept path
+                pass
+        if due:
+            self.flush()
+
+    def flush(self) -> Optional[dict]:
+        """Write one summary of the refusals counted since the last flush (if any)."""
+        with self._lock:
+            self._flushed = time.monotonic()
+            if not self._window:
+                return None
+            line = {
+                "event": "refusals",
+                "role": self.role,
+                "unix_ms": time.time_ns() // 1_000_000,
+                "counts": dict(self._window),
+                "last": {k: self._last.get(k, "") for k in self._window},
+            }
+            self._window.clear()
+        from ..logs import event
+
+        event(log, "refusals", level=logging.WARNING, **{k: v for k, v in line.items() if k != "event"})
+        self._append(json.dumps(line, sort_keys=True).encode() + b"\n")
+        return line
+
+    def _append(self, data: bytes) -> None:
+        if self.path is None:
+            return
+        try:
+            try:
+                size = os.stat(self.path).st_size
+            except FileNotFoundError:
+                size = 0
+            if size + len(data) > self.max_bytes:
+                os.replace(self.path, self.path + ".1")  # one old generation: 2x max_bytes at most
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            try:
+                os.write(fd, data)
+            finally:
+                os.close(fd)
+        except OSError:
+            self.write_failures += 1  # a log line lost; the counters (metrics) still have it
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            return {"totals": dict(self.totals), "last": dict(self._last), "write_failures": self.write_failures}
