@@ -183,3 +183,29 @@ class MigrationError(KvpackError):
             "unauthorized",
         }
     )
+
+
+class OnboardError(KvpackError):
+    """A ``kvpack node add`` stage refused or failed (docs/operations.md, "Onboarding").
+
+    The category says what kind of thing went wrong; the stage it happened in is recorded
+    next to it in the node's onboarding state record (``failed:<stage>``).
+    """
+
+    CATEGORIES = frozenset(
+        {
+            "usage",  # bad arguments, or a re-run that contradicts the recorded onboarding
+            "ssh",  # the node could not be reached or the remote command failed
+            "host_key",  # the node's SSH host key is unknown or not the pinned one
+            "version",  # the node runs another kvpack version
+            "identity",  # the node's engine identity is not the cluster's
+            "recipe",  # the identity declares no (or an invalid) qualification recipe
+            "volume",  # the node's ledger volume failed the probe
+            "csr",  # the CSR's key type, subject, SANs or signature is wrong
+            "install",  # the node refused the certificate, key or config it was sent
+            "daemon",  # a node daemon did not start or stop
+            "qualify",  # a qualification exchange failed or the rate was below the floor
+            "state",  # the onboarding state record is malformed or held by another run
+            "internal",  # an unexpected local failure (an OS error or a bug), recorded as such
+        }
+    )

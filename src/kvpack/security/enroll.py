@@ -29,6 +29,16 @@ Rules enforced:
   never touched: deleting one would make every captured transfer replayable again. The bumped
   epochs are recorded in the registry *before* any key is rewritten, so a crash mid-rotation can
   only skip an epoch, never reuse one.
+
+Nodes onboarded over SSH (``kvpack node add``, :mod:`kvpack.onboard`) are *remote*: their
+registry entry carries ``remote`` (user, host, port, pinned host key, node directory) and
+nothing of theirs lives under ``nodes/``. The CA signs their CSR through
+:meth:`Cluster.sign_node_csr` (key type, subject and SANs checked first) and they join the
+registry only when qualified (:meth:`Cluster.commit_onboarded`). Offline enrollment never
+writes a file for a remote node: it pairs new offline nodes with offline nodes only, and
+refuses to rotate anything a remote node would have to follow (the wizard owns that path).
+Removed pairs leave their last epoch in ``retired_epochs``, so a pair that comes back starts a
+disjoint counter space too.
 """
 
 from __future__ import annotations
@@ -131,12 +141,17 @@ def make_ca(common_name: str, *, days: int = DEFAULT_CA_DAYS, key=None):
     return key, cert
 
 
-def make_csr(key, common_name: str):
+def make_csr(key, common_name: str, sans: Iterable[str] = ()):
+    """A CSR for ``CN=common_name``, requesting ``sans`` when given (the SSH wizard checks them)."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes
     from cryptography.x509.oid import NameOID
 
-    return x509.CertificateSigningRequestBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])).sign(key, hashes.SHA256())
+    builder = x509.CertificateSigningRequestBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)]))
+    names = list(sans)
+    if names:
+        builder = builder.add_extension(x509.SubjectAlternativeName(_san_entries(names)), critical=False)
+    return builder.sign(key, hashes.SHA256())
 
 
 def _san_entries(names: Iterable[str]):
@@ -281,6 +296,13 @@ class Cluster:
         return key, cert
 
     def _rotate_ca(self, days: int) -> None:
+        remote = sorted(n for n, e in self.registry["nodes"].items() if is_remote(e))
+        if remote:
+            raise SecurityError(
+                "enrollment",
+                f"cannot rotate the CA offline: nodes {remote} were onboarded over SSH and hold their own keys "
+                "(remove them with 'kvpack node remove', rotate, then add them again)",
+            )
         # Record the epoch bump first: a crash after this point skips epochs, never reuses one.
         for pair in self.registry["pairs"]:
             pair["epoch"] += 1
@@ -315,12 +337,13 @@ class Cluster:
                     raise SecurityError("enrollment", f"node {name!r} is not enrolled; nothing to rotate")
                 if role is not None and role != nodes[name]["role"]:
                     raise SecurityError("enrollment", f"node {name!r} is a {nodes[name]['role']}; rotation keeps the role")
+                self._refuse_offline_rotation(name)
                 return self._rotate_node(name, days)
             if name in nodes:
                 raise SecurityError("enrollment", f"node {name!r} is already enrolled; use --rotate to re-key it")
             if role not in ROLES:
                 raise SecurityError("enrollment", f"role must be one of {ROLES}, got {role!r}")
-            entry: dict[str, Any] = {"role": role, "pki_generation": 0, "days": days, "sans": list(dict.fromkeys([name, *LOOPBACK_SANS, *extra_sans]))}
+            entry: dict[str, Any] = {"role": role, "pki_generation": 0, "days": days, "sans": node_sans(name, extra_sans)}
             if role == "receiver":
                 entry["listen"] = listen or DEFAULT_RECEIVER_LISTEN
                 ident = identity or self.registry.get("default_identity")
@@ -333,16 +356,41 @@ class Cluster:
                 entry["control_listen"] = control_listen or DEFAULT_CONTROL_LISTEN
             nodes[name] = entry
             self._issue_node(name)
-            counterpart = {"receiver": "producer", "producer": "receiver"}.get(role)
+            counterpart = COUNTERPART.get(role)
             if counterpart:
-                for other in sorted(n for n, e in nodes.items() if e["role"] == counterpart):
+                # Offline enrollment pairs offline nodes only: a remote node's key file and
+                # configs live on its machine, which only the SSH wizard reaches.
+                for other in sorted(n for n, e in nodes.items() if e["role"] == counterpart and not is_remote(e)):
                     producer, receiver = (name, other) if role == "producer" else (other, name)
-                    pair = {"producer": producer, "receiver": receiver, "key_id": key_id_for(producer, receiver), "epoch": 1}
+                    pair = {
+                        "producer": producer,
+                        "receiver": receiver,
+                        "key_id": key_id_for(producer, receiver),
+                        "epoch": self.next_pair_epoch(producer, receiver),
+                    }
                     self.registry["pairs"].append(pair)
                     self._write_pair_key(pair)
             self._save()
             self._write_all_configs()
             return nodes[name]
+
+    def _refuse_offline_rotation(self, name: str) -> None:
+        """Offline rotation rewrites keys and configs on both ends of every pair of ``name``;
+        it cannot reach a remote node, so it refuses rather than leave one end behind."""
+        nodes = self.registry["nodes"]
+        if is_remote(nodes[name]):
+            raise SecurityError("enrollment", f"node {name!r} was onboarded over SSH: its key lives on the node (remove it and 'kvpack node add' it again)")
+        remote_peers = sorted(
+            {p["producer"] if p["receiver"] == name else p["receiver"] for p in self.registry["pairs"] if name in (p["producer"], p["receiver"])}
+            & {n for n, e in nodes.items() if is_remote(e)}
+        )
+        if remote_peers:
+            raise SecurityError("enrollment", f"node {name!r} is paired with SSH-onboarded nodes {remote_peers}; offline rotation cannot re-key their ends")
+
+    def next_pair_epoch(self, producer: str, receiver: str) -> int:
+        """1 for a pair never seen before; one past its last epoch for a pair that was removed
+        (the receiver's ledger may still hold that pair's counters: never reuse them)."""
+        return int(self.registry.get("retired_epochs", {}).get(key_id_for(producer, receiver), 0)) + 1
 
     def _rotate_node(self, name: str, days: int) -> dict[str, Any]:
         affected = [p for p in self.registry["pairs"] if name in (p["producer"], p["receiver"])]
@@ -387,16 +435,21 @@ class Cluster:
         """Fresh 32-byte key material for this pair's current epoch, on both ends (0600)."""
         material = (secrets.token_bytes(32).hex() + "\n").encode()
         for node in (pair["producer"], pair["receiver"]):
+            if is_remote(self.registry["nodes"][node]):
+                raise SecurityError("enrollment", f"refusing to write a key for SSH-onboarded node {node!r} on the admin machine")
             path = os.path.join(self.node_dir(node), "hmac", f"{pair['key_id']}.key")
             atomic_write(path, material, mode=0o600)
 
     # -- configs -----------------------------------------------------------------------------------------
     def _write_all_configs(self) -> None:
+        """(Re)write every config of every *offline* node from the registry (remote nodes'
+        configs are pushed by the SSH wizard, never written here)."""
         nodes = self.registry["nodes"]
         for pair in self.registry["pairs"]:
-            self._write_receiver_config(pair)
+            if not is_remote(nodes[pair["receiver"]]):
+                self._write_receiver_config(pair)
         for name, entry in nodes.items():
-            if entry["role"] == "producer":
+            if entry["role"] == "producer" and not is_remote(entry):
                 self._write_producer_config(name)
 
     def receiver_config_path(self, receiver: str, producer: str) -> str:
@@ -406,70 +459,89 @@ class Cluster:
         return os.path.join(self.node_dir(producer), "producer.json")
 
     def _write_receiver_config(self, pair: dict[str, Any]) -> None:
-        nodes = self.registry["nodes"]
-        r, p = pair["receiver"], pair["producer"]
-        rentry, pentry = nodes[r], nodes[p]
-        ident = rentry["identity"]
-        listen = rentry["listen"]
-        advertised = listen.rsplit(":", 1)[0].strip("[]")
-        cfg: dict[str, Any] = {
-            "schema_version": 1,
-            "listen": listen,
-            # Relative to this file: the node directory can be moved as a unit.
-            "certificate_chain": "tls/node.crt",
-            "private_key": "tls/node.key",
-            "peer_ca": "tls/ca.crt",
-            "peer_leaf_sha256": [pentry["leaf_sha256"]],
-            "hmac_key_file": f"hmac/{pair['key_id']}.key",
-            "hmac_key_id": pair["key_id"],
-            # The floor follows the epoch: after a rotation, seals of older epochs are refused.
-            "minimum_hmac_epoch": pair["epoch"],
-            # Stable across rotations: the ledger is never reset, epochs give fresh counters.
-            "replay_ledger": f"state/replay-ledger.{p}.json",
-            "timeout_ms": 900_000,
-            "wait_for_producer_ms": 60_000,
-            "advertised_receiver_host": advertised,
-            "producer_control": {"address": pentry["control_listen"], "server_name": p},
-            "identity": ident["identity"],
-            "target_cache_identity_sha256": ident["target_cache_identity_sha256"],
-        }
-        for opt in ("producer_mode", "dflash_identity_sha256", "dflash_context_geometry"):
-            if ident.get(opt) is not None:
-                cfg[opt] = ident[opt]
+        cfg = receiver_config_json(self.registry["nodes"], pair)
         body = json.dumps(cfg, indent=2, sort_keys=True).encode() + b"\n"
-        atomic_write(self.receiver_config_path(r, p), body, mode=0o600)
+        atomic_write(self.receiver_config_path(pair["receiver"], pair["producer"]), body, mode=0o600)
 
     def _write_producer_config(self, name: str) -> None:
-        nodes = self.registry["nodes"]
-        receivers = []
-        for pair in sorted(self.registry["pairs"], key=lambda x: x["receiver"]):
-            if pair["producer"] != name:
-                continue
-            r = pair["receiver"]
-            receivers.append(
-                {
-                    "name": r,
-                    "server_name": r,
-                    "leaf_sha256": [nodes[r]["leaf_sha256"]],
-                    "hmac_key_file": f"hmac/{pair['key_id']}.key",
-                    "hmac_key_id": pair["key_id"],
-                    "hmac_epoch": pair["epoch"],
-                }
-            )
-        path = self.producer_config_path(name)
-        if not receivers:
+        cfg = producer_config_json(self.registry["nodes"], self.registry["pairs"], name)
+        if cfg is None:
             return  # nothing to hand off to yet; written when the first receiver enrolls
-        cfg = {
-            "schema_version": 1,
-            "node_name": name,
-            "certificate_chain": "tls/node.crt",
-            "private_key": "tls/node.key",
-            "peer_ca": "tls/ca.crt",
-            "control_listen": nodes[name]["control_listen"],
-            "generation_ledger": "state/generation-ledger.json",
-            "receivers": receivers,
-        }
-        atomic_write(path, json.dumps(cfg, indent=2, sort_keys=True).encode() + b"\n", mode=0o600)
+        atomic_write(self.producer_config_path(name), json.dumps(cfg, indent=2, sort_keys=True).encode() + b"\n", mode=0o600)
+
+    # -- SSH onboarding (kvpack.onboard): CSR signing, commit, removal ----------------------------------
+    def sign_node_csr(self, name: str, csr_pem: bytes, sans: Iterable[str], *, days: int = DEFAULT_LEAF_DAYS):
+        """Check a CSR produced on the node and sign it. Returns ``(cert, ca_cert)``.
+
+        The checks come first and each refusal names what was wrong: the CSR must parse, its
+        signature must verify (its holder owns the key), the key must be ECDSA P-256, the
+        subject exactly ``CN=<name>``, and the requested SANs exactly ``sans``. The leaf's
+        SANs are then taken from ``sans`` (the admin's record), never from the CSR.
+        """
+        from cryptography import x509
+
+        check_node_csr(csr_pem, name, sans)
+        csr = x509.load_pem_x509_csr(csr_pem)
+        ca_key, ca_cert = self._load_ca()
+        return issue_leaf(ca_key, ca_cert, csr, sans, days=days), ca_cert
+
+    def ca_certificate_pem(self) -> bytes:
+        with open(os.path.join(self.ca_dir, "ca.crt"), "rb") as fh:
+            return fh.read()
+
+    def commit_onboarded(self, name: str, entry: dict[str, Any], pairs: list[dict[str, Any]]) -> None:
+        """Make a qualified remote node trusted: its entry and pairs enter the registry, and the
+        configs of offline peers are rewritten from it. Idempotent (a re-run after a crash
+        between this and the healthy record finds the same entry)."""
+        with _EnrollLock(self.root):
+            self.registry = Cluster.open(self.root).registry  # another run may have saved since
+            nodes = self.registry["nodes"]
+            if name in nodes and nodes[name] != entry:
+                raise SecurityError("enrollment", f"node {name!r} is already enrolled with another record")
+            nodes[name] = entry
+            keep = [p for p in self.registry["pairs"] if p["key_id"] not in {q["key_id"] for q in pairs}]
+            self.registry["pairs"] = keep + [dict(p) for p in pairs]
+            self._save()
+            self._write_all_configs()
+
+    def remove_node(self, name: str, *, also_retire: Iterable[dict[str, Any]] = ()) -> list[dict[str, Any]]:
+        """Drop ``name`` and its pairs from the registry; remember each pair's last epoch in
+        ``retired_epochs`` (also for ``also_retire``: pairs provisioned but never committed).
+        Offline peers' configs are rewritten and their files for the removed pairs deleted.
+        Returns the removed pairs."""
+        with _EnrollLock(self.root):
+            self.registry = Cluster.open(self.root).registry
+            removed = [p for p in self.registry["pairs"] if name in (p["producer"], p["receiver"])]
+            retired = self.registry.setdefault("retired_epochs", {})
+            for pair in [*removed, *also_retire]:
+                retired[pair["key_id"]] = max(int(retired.get(pair["key_id"], 0)), int(pair["epoch"]))
+            self.registry["pairs"] = [p for p in self.registry["pairs"] if p not in removed]
+            self.registry["nodes"].pop(name, None)
+            self._save()
+            self._write_all_configs()
+            self.delete_offline_pair_files([*removed, *also_retire])
+            return removed
+
+    def delete_offline_pair_files(self, pairs: Iterable[dict[str, Any]]) -> None:
+        """Delete the key files and receiver configs of pairs that are no longer in the
+        registry, on the offline nodes that held them (nothing remote is touched)."""
+        from ..durable import durable_unlink
+
+        nodes = self.registry["nodes"]
+        live = {p["key_id"] for p in self.registry["pairs"]}
+        for pair in pairs:
+            if pair["key_id"] in live:
+                continue
+            for node in (pair["producer"], pair["receiver"]):
+                entry = nodes.get(node)
+                if entry is None or is_remote(entry):
+                    continue
+                durable_unlink(os.path.join(self.node_dir(node), "hmac", f"{pair['key_id']}.key"))
+                if node == pair["receiver"]:
+                    durable_unlink(self.receiver_config_path(node, pair["producer"]))
+            producer = nodes.get(pair["producer"])
+            if producer is not None and not is_remote(producer) and producer_config_json(nodes, self.registry["pairs"], pair["producer"]) is None:
+                durable_unlink(self.producer_config_path(pair["producer"]))
 
     # -- storage nodes: SSH pin (session migration, docs/migration.md) -----------------------------------
     def set_storage_ssh(self, name: str, *, address: str, user: str, host_key: str, lane_dir: str) -> dict[str, Any]:
@@ -513,11 +585,148 @@ class Cluster:
                     "not_after": entry["not_after"],
                     "pki_generation": entry["pki_generation"],
                     "sans": entry["sans"],
-                    "dir": os.path.relpath(self.node_dir(name), self.root),
+                    "dir": None if is_remote(entry) else os.path.relpath(self.node_dir(name), self.root),
+                    "remote": _remote_summary(entry),
                 }
             )
         pairs = [{"producer": p["producer"], "receiver": p["receiver"], "key_id": p["key_id"], "epoch": p["epoch"]} for p in self.registry["pairs"]]
         return {"cluster": self.root, "ca": self.registry["ca"], "nodes": nodes, "pairs": pairs}
+
+
+COUNTERPART = {"receiver": "producer", "producer": "receiver"}
+
+
+def is_remote(entry: dict[str, Any]) -> bool:
+    """True for a node onboarded over SSH: its files live on its machine, not under nodes/."""
+    return isinstance(entry.get("remote"), dict)
+
+
+def _remote_summary(entry: dict[str, Any]) -> str | None:
+    r = entry.get("remote")
+    return None if not isinstance(r, dict) else f"{r['user']}@{r['host']}:{r['port']}"
+
+
+def node_sans(name: str, extra: Iterable[str] = ()) -> list[str]:
+    """The SANs every leaf carries: its node name, the loopback names, then any extras."""
+    return list(dict.fromkeys([name, *LOOPBACK_SANS, *extra]))
+
+
+def receiver_config_json(nodes: dict[str, Any], pair: dict[str, Any]) -> dict[str, Any]:
+    """The C.15 config of ``pair``'s receiver for its producer, from registry entries (pure).
+
+    Every path is relative to the config file, so a node directory moves as a unit and the
+    same object is valid on an offline node and on an SSH-onboarded one."""
+    r, p = pair["receiver"], pair["producer"]
+    rentry, pentry = nodes[r], nodes[p]
+    ident = rentry["identity"]
+    listen = rentry["listen"]
+    advertised = listen.rsplit(":", 1)[0].strip("[]")
+    cfg: dict[str, Any] = {
+        "schema_version": 1,
+        "listen": listen,
+        "certificate_chain": "tls/node.crt",
+        "private_key": "tls/node.key",
+        "peer_ca": "tls/ca.crt",
+        "peer_leaf_sha256": [pentry["leaf_sha256"]],
+        "hmac_key_file": f"hmac/{pair['key_id']}.key",
+        "hmac_key_id": pair["key_id"],
+        # The floor follows the epoch: after a rotation, seals of older epochs are refused.
+        "minimum_hmac_epoch": pair["epoch"],
+        # Stable across rotations: the ledger is never reset, epochs give fresh counters.
+        "replay_ledger": f"state/replay-ledger.{p}.json",
+        "timeout_ms": 900_000,
+        "wait_for_producer_ms": 60_000,
+        "advertised_receiver_host": advertised,
+        "producer_control": {"address": pentry["control_listen"], "server_name": p},
+        "identity": ident["identity"],
+        "target_cache_identity_sha256": ident["target_cache_identity_sha256"],
+    }
+    for opt in ("producer_mode", "dflash_identity_sha256", "dflash_context_geometry"):
+        if ident.get(opt) is not None:
+            cfg[opt] = ident[opt]
+    return cfg
+
+
+def producer_config_json(nodes: dict[str, Any], pairs: list[dict[str, Any]], name: str) -> dict[str, Any] | None:
+    """The producer config of ``name`` (all its paired receivers), or None with no receiver."""
+    receivers = []
+    for pair in sorted(pairs, key=lambda x: x["receiver"]):
+        if pair["producer"] != name:
+            continue
+        r = pair["receiver"]
+        receivers.append(
+            {
+                "name": r,
+                "server_name": r,
+                "leaf_sha256": [nodes[r]["leaf_sha256"]],
+                "hmac_key_file": f"hmac/{pair['key_id']}.key",
+                "hmac_key_id": pair["key_id"],
+                "hmac_epoch": pair["epoch"],
+            }
+        )
+    if not receivers:
+        return None
+    return {
+        "schema_version": 1,
+        "node_name": name,
+        "certificate_chain": "tls/node.crt",
+        "private_key": "tls/node.key",
+        "peer_ca": "tls/ca.crt",
+        "control_listen": nodes[name]["control_listen"],
+        "generation_ledger": "state/generation-ledger.json",
+        "receivers": receivers,
+    }
+
+
+def check_node_csr(csr_pem: bytes, name: str, sans: Iterable[str]) -> None:
+    """Refuse a node CSR unless it is exactly what the node was asked to produce."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    if not isinstance(csr_pem, bytes) or len(csr_pem) > 16384 or b"-----BEGIN CERTIFICATE REQUEST-----" not in csr_pem:
+        raise SecurityError("enrollment", "CSR must be one PEM certificate request (at most 16 KiB)")
+    try:
+        csr = x509.load_pem_x509_csr(csr_pem)
+    except ValueError as exc:
+        raise SecurityError("enrollment", f"CSR does not parse: {exc}") from None
+    from cryptography.exceptions import UnsupportedAlgorithm
+
+    try:
+        # a damaged key encoding surfaces only here (unknown curve, bad point): a refusal too
+        key = csr.public_key()
+        valid = csr.is_signature_valid
+    except (ValueError, TypeError, UnsupportedAlgorithm) as exc:
+        raise SecurityError("enrollment", f"CSR key or signature does not parse: {exc}") from None
+    if not valid:
+        raise SecurityError("enrollment", "CSR signature is invalid: its holder does not own the key")
+    if not isinstance(key, ec.EllipticCurvePublicKey) or key.curve.name != "secp256r1":
+        raise SecurityError("enrollment", f"CSR key must be ECDSA P-256, got {type(key).__name__} {getattr(getattr(key, 'curve', None), 'name', '')}".rstrip())
+    want_subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    if csr.subject != want_subject:
+        raise SecurityError("enrollment", f"CSR subject must be exactly CN={name}, got {csr.subject.rfc4514_string()}")
+    try:
+        extensions = csr.extensions
+        requested = extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        raise SecurityError("enrollment", "CSR requests no subjectAltName") from None
+    except ValueError as exc:  # duplicate or malformed extensions
+        raise SecurityError("enrollment", f"CSR extensions do not parse: {exc}") from None
+    got = {str(v) for v in requested.get_values_for_type(x509.DNSName)} | {str(v) for v in requested.get_values_for_type(x509.IPAddress)}
+    want = {str(ipaddress.ip_address(n)) if _is_ip(n) else n for n in sans}
+    if got != want or len(list(requested)) != len(got):
+        raise SecurityError("enrollment", f"CSR requests SANs {sorted(got)}, expected exactly {sorted(want)}")
+    other = [e.oid.dotted_string for e in extensions if not isinstance(e.value, x509.SubjectAlternativeName)]
+    if other:
+        raise SecurityError("enrollment", f"CSR requests extensions the CA does not grant: {other}")
+
+
+def _is_ip(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name)
+        return True
+    except ValueError:
+        return False
 
 
 def _pem():
@@ -529,7 +738,8 @@ def _pem():
 def load_identity_file(path: str) -> dict[str, Any]:
     """An identity file: ``{"identity": ExactIdentityV1, "target_cache_identity_sha256": hex, ...}``.
 
-    Optional: ``producer_mode``, ``dflash_identity_sha256`` with ``dflash_context_geometry``.
+    Optional: ``producer_mode``, ``dflash_identity_sha256`` with ``dflash_context_geometry``, and
+    ``qualification`` (the identity's onboarding recipe, :mod:`kvpack.onboard.recipe`).
     Validated with the same rules as the receiver config, so enrollment never writes a config the
     receiver would refuse.
     """
@@ -538,10 +748,18 @@ def load_identity_file(path: str) -> dict[str, Any]:
             obj = strict_json_loads(fh.read(), source=path)
     except OSError as exc:
         raise SecurityError("enrollment", f"cannot read identity file {path!r}: {exc.strerror}") from None
-    allowed = {"identity", "target_cache_identity_sha256", "producer_mode", "dflash_identity_sha256", "dflash_context_geometry"}
+    allowed = {"identity", "target_cache_identity_sha256", "producer_mode", "dflash_identity_sha256", "dflash_context_geometry", "qualification"}
     if not isinstance(obj, dict) or not {"identity", "target_cache_identity_sha256"} <= set(obj) or set(obj) - allowed:
         raise SecurityError("enrollment", f"identity file {path!r} must hold identity and target_cache_identity_sha256 (optional: {sorted(allowed)})")
     parse_identity(obj["identity"], f"{path}.identity")
+    if "qualification" in obj:
+        from ..errors import OnboardError
+        from ..onboard.recipe import parse_recipe
+
+        try:
+            parse_recipe(obj["qualification"], f"{path}.qualification")
+        except OnboardError as exc:
+            raise SecurityError("enrollment", exc.message) from None
     for name in ("target_cache_identity_sha256", "dflash_identity_sha256"):
         value = obj.get(name)
         if name in obj and not (isinstance(value, str) and re.fullmatch(r"[0-9a-f]{64}", value)):
