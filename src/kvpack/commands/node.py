@@ -52,6 +52,14 @@ def cmd_receiver(args: argparse.Namespace) -> int:
     from ..security.config import load_receiver_config
 
     cfg = load_receiver_config(args.config)
+    if args.listen:
+        # e.g. a qualification receiver on port 0 next to the node's serving daemon
+        import dataclasses
+
+        from ..security.config import parse_socket_address
+
+        listen_host, listen_port = parse_socket_address(args.listen, "--listen")
+        cfg = dataclasses.replace(cfg, listen_host=listen_host, listen_port=listen_port)
     base = os.path.dirname(cfg.path)
     socket_path = args.socket or os.path.join(base, "state", "receiver.sock")
     check_unix_socket_path(socket_path)
@@ -164,6 +172,8 @@ def cmd_request(args: argparse.Namespace) -> int:
     from ._args import read_token_ids
 
     payload: dict = {"max_new_tokens": args.max_new_tokens, "save": args.save, "chat": not args.raw}
+    if args.ignore_eos:
+        payload["stop_at_eos"] = False
     if args.tokens_file:
         payload["tokens"] = read_token_ids(args.tokens_file, stdin_text=sys.stdin.read() if args.tokens_file == "-" else None)
     else:
@@ -231,6 +241,7 @@ def register(sub) -> None:
     _common(p)
     p.add_argument("--socket", type=unix_socket_path, help="local API Unix socket (default: <config dir>/state/receiver.sock)")
     p.add_argument("--advertise-port", type=port, help="data port to advertise in requests (NAT, proxies)")
+    p.add_argument("--listen", help="override the config's listen address (ip:port; port 0 picks a free one and advertises it)")
     p.set_defaults(func=cmd_receiver, extras=("node",))
 
     p = sub.add_parser("producer", help="run the prefill node (Handoff V2 producer) daemon")
@@ -245,6 +256,7 @@ def register(sub) -> None:
     src.add_argument("--tokens-file", type=_tokens_file, help="JSON list of token ids (used verbatim; - reads stdin)")
     p.add_argument("--raw", action="store_true", help="tokenize the prompt without the chat template")
     p.add_argument("--max-new-tokens", type=max_new_tokens, default=32, help="tokens to decode after the prompt")
+    p.add_argument("--ignore-eos", action="store_true", help="decode exactly --max-new-tokens tokens (do not stop at end-of-sequence)")
     p.add_argument("--save", action="store_true", help="also save the prompt's cut to the receiver's pack store")
     p.add_argument("--timeout", type=duration, default=900.0, help="seconds to wait for the reply")
     p.set_defaults(func=cmd_request, extras=("node",))
