@@ -64,6 +64,13 @@ def cmd_receiver(args: argparse.Namespace) -> int:
     socket_path = args.socket or os.path.join(base, "state", "receiver.sock")
     check_unix_socket_path(socket_path)
     metrics_host, metrics_tls = _metrics_listener(args, cfg.data_endpoint())
+    probe = None
+    if args.ledger_max_tail_ms is not None:
+        # the bind-time ledger-volume gate with the operator's limit (default: the daemon's 100 ms)
+        from ..security.probe import check_ledger_volume
+
+        os.makedirs(os.path.dirname(cfg.replay_ledger), mode=0o700, exist_ok=True)
+        probe = check_ledger_volume(cfg.replay_ledger, max_tail_ms=args.ledger_max_tail_ms)
     engine = _engine(args)
     store = None if args.no_store else _store(args.store, os.path.join(base, "state", "store"))
     node = ReceiverNode(
@@ -74,7 +81,9 @@ def cmd_receiver(args: argparse.Namespace) -> int:
         metrics_port=_metrics_port(args),
         advertised_port=args.advertise_port,
         socket_path=socket_path,
+        check_volume=probe is None,
     )
+    node.probe = probe if probe is not None else node.probe
     _prepare_metrics(node, metrics_host, metrics_tls, args)
     _start(node)
     ready = {
@@ -241,7 +250,12 @@ def register(sub) -> None:
     _common(p)
     p.add_argument("--socket", type=unix_socket_path, help="local API Unix socket (default: <config dir>/state/receiver.sock)")
     p.add_argument("--advertise-port", type=port, help="data port to advertise in requests (NAT, proxies)")
-    p.add_argument("--listen", help="override the config's listen address (ip:port; port 0 picks a free one and advertises it)")
+    p.add_argument(
+        "--ledger-max-tail-ms",
+        type=positive_float,
+        help="refuse to start when the worst of 20 ledger reservations on the ledger's volume exceeds this (default: 100)",
+    )
+    p.add_argument("--listen", type=socket_address(), help="override the config's listen address (ip:port; port 0 picks a free one and advertises it)")
     p.set_defaults(func=cmd_receiver, extras=("node",))
 
     p = sub.add_parser("producer", help="run the prefill node (Handoff V2 producer) daemon")

@@ -9,7 +9,8 @@ payload rate comes from the receiver's receipt of that transfer (fetched with ``
 node-local receipt``): its payload bytes over its wire time, the receiver's clock.
 
 The references are local uninterrupted runs of the same prompts on the admin machine with
-the same engine, computed once per identity, recipe and prompt set and kept in
+the same engine, computed next to the exchanges (a worker thread; torch releases the GIL),
+once per identity, recipe and prompt set, and kept in
 ``<cluster>/onboard/references/`` (a later node of the same identity reuses them). Every
 exchange's reply and receipt is kept in ``onboard/<name>/qualify/<attempt>/``.
 
@@ -22,6 +23,8 @@ import hashlib
 import json
 import os
 import time
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -31,6 +34,7 @@ from . import recipe as R
 from .hosts import NodeHost, refusal_of, run_json
 
 REQUEST_TIMEOUT_S = 3600.0
+REFERENCE_TIMEOUT_S = 3600.0
 
 
 @dataclass
@@ -143,19 +147,51 @@ def exchange_of(reply: dict[str, Any], receipt: dict[str, Any]) -> R.Exchange:
     )
 
 
+def in_background(fn: Callable[..., Any], *args: Any) -> Future:
+    """Run ``fn(*args)`` on a daemon thread; its result or exception lands in the future. A
+    daemon thread, so a failed qualification exits at once instead of waiting for the
+    reference runs (their cache file is written atomically, so an abandoned one leaves none)."""
+    import threading
+
+    future: Future = Future()
+    future.set_running_or_notify_cancel()
+
+    def work() -> None:
+        try:
+            future.set_result(fn(*args))
+        except BaseException as exc:  # noqa: BLE001 - delivered to the waiter
+            future.set_exception(exc)
+
+    threading.Thread(target=work, name="kvpack-reference-runs", daemon=True).start()
+    return future
+
+
+def _cannot_pass(recipe: R.Recipe, refs: list[R.Reference] | None, got: list[R.Exchange]) -> bool:
+    """True once the verdict is settled as a failure: an exchange is inexact (known only once
+    the references are there) or the rate median is lost."""
+    if refs is not None and any(R.check_exchange(recipe, i, refs[i], g) is not None for i, g in enumerate(got)):
+        return True
+    return R.rate_floor_lost(recipe, [g.rate_bps for g in got])
+
+
 def run(
     pairing: Pairing,
     recipe: R.Recipe,
     prompts: list[list[int]],
-    refs: list[R.Reference],
+    refs: Future,
     out_dir: str,
     *,
     start_unit: Callable[[Pairing], dict[str, Any]],
     stop_unit: Callable[[Pairing], Any],
     after_exchange: Callable[[int], None] = lambda i: None,
 ) -> dict[str, Any]:
-    """Run the exchanges in order, stopping at the first that cannot pass; return the summary
-    (raises ``OnboardError('qualify')`` with it recorded when the verdict is a failure)."""
+    """Run the exchanges in order while ``refs`` (a future of :func:`reference_runs`) is
+    computed next to them, stopping as soon as the verdict cannot be a pass; return the
+    summary (the caller raises ``OnboardError('qualify')`` when it is a failure).
+
+    The references run concurrently because on a small host each exchange keeps one core busy
+    at a time (the producer's prefill, then the receiver's decode); they are only needed for
+    the verdict."""
     ensure_dir(out_dir, mode=0o700)
     ready = start_unit(pairing)
     socket = (ready.get("ready") or {}).get("socket")
@@ -169,18 +205,22 @@ def run(
             reply, receipt = _exchange(pairing.receiver_host, socket, prompt, recipe, i)
             got.append(exchange_of(reply, receipt))
             name = f"exchange-{i + 1}.json"
-            atomic_write(
-                os.path.join(out_dir, name), json.dumps({"reply": reply, "receiver_receipt": receipt}, indent=2, sort_keys=True).encode() + b"\n", mode=0o644
-            )
+            body = json.dumps({"reply": reply, "receiver_receipt": receipt}, indent=2, sort_keys=True).encode() + b"\n"
+            atomic_write(os.path.join(out_dir, name), body, mode=0o644)
             files.append(name)
             after_exchange(i)
-            v = R.verdict(recipe, refs, got)
-            if not v.ok and (R.check_exchange(recipe, i, refs[i], got[-1]) is not None or R.rate_floor_lost(recipe, list(v.rates_bps))):
+            if refs.done() and refs.exception() is not None:
+                break  # the references failed: nothing can be verified, stop here
+            if _cannot_pass(recipe, refs.result() if refs.done() else None, got):
                 break
     finally:
         if pairing.transient:
             stop_unit(pairing)
-    v = R.verdict(recipe, refs, got)
+    try:
+        references = refs.result(timeout=REFERENCE_TIMEOUT_S)
+    except FutureTimeout:
+        raise OnboardError("qualify", f"the local reference runs did not finish within {REFERENCE_TIMEOUT_S:g} s") from None
+    v = R.verdict(recipe, references, got)
     summary = {
         "recipe": recipe.to_json(),
         "prompts_sha256": R.prompts_digest(prompts),

@@ -50,7 +50,17 @@ def socket_path(d: str, unit: str) -> str:
 
 
 def build_argv(
-    d: str, unit: str, *, role: str, config: str, engine: str, threads: int, no_store: bool = False, listen: str | None = None, receipts: str | None = None
+    d: str,
+    unit: str,
+    *,
+    role: str,
+    config: str,
+    engine: str,
+    threads: int,
+    no_store: bool = False,
+    listen: str | None = None,
+    receipts: str | None = None,
+    ledger_max_tail_ms: float | None = None,
 ) -> list[str]:
     from ..security.config import parse_socket_address
 
@@ -76,6 +86,8 @@ def build_argv(
         argv += ["--receipts", os.path.join(d, "run", receipts, "receipts")]
     if role == "receiver":
         argv += ["--socket", socket_path(d, unit)]
+        if ledger_max_tail_ms is not None:
+            argv += ["--ledger-max-tail-ms", repr(float(ledger_max_tail_ms))]
         if listen:
             parse_socket_address(listen, "--listen")
             argv += ["--listen", listen]

@@ -413,7 +413,9 @@ class Wizard:
         o = self.opts
         if o.role == "producer":
             return "producer", {"role": "producer", "config": "producer.json", "engine": o.engine, "threads": o.threads}
-        return "receiver", {"role": "receiver", "config": f"receiver.{self.rec['pending']['peer']}.json", "engine": o.engine, "threads": o.threads}
+        fields = {"role": "receiver", "config": f"receiver.{self.rec['pending']['peer']}.json", "engine": o.engine, "threads": o.threads}
+        # the daemon's own ledger-volume gate at the limit the operator gave the preflight probe
+        return "receiver", {**fields, "ledger_max_tail_ms": o.probe_max_tail_ms}
 
     def producer_fields(self, producer: str) -> dict[str, Any]:
         """How a producer peer's managed unit runs: its recorded engine (an onboarded node),
@@ -435,6 +437,8 @@ class Wizard:
             args += ["--listen", fields["listen"]]
         if fields.get("receipts"):
             args += ["--receipts", fields["receipts"]]
+        if fields.get("ledger_max_tail_ms") is not None:
+            args += ["--ledger-max-tail-ms", repr(float(fields["ledger_max_tail_ms"]))]
         if restart:
             args.append("--restart")
         if if_running:
@@ -472,6 +476,7 @@ class Wizard:
             "threads": o.threads,
             "no_store": True,
             "listen": f"{listen_host}:0",
+            "ledger_max_tail_ms": o.probe_max_tail_ms,
         }
         unit = f"qualify-{o.name}"
         fields["receipts"] = unit
@@ -488,9 +493,10 @@ class Wizard:
         if not isinstance(vocab, int):
             raise OnboardError("state", "the node's vocabulary size was not recorded at preflight")
         prompts = R.prompts(recipe, vocab)
-        refs = Q.reference_runs(os.path.join(self.root, "onboard", "references"), pending["identity"], recipe, self.opts.engine, self.opts.threads, prompts)
         attempt = self.rec["stages"]["qualify"]["attempts"]
         out_dir = os.path.join(self.dir, "qualify", f"attempt-{attempt}")
+        cache = os.path.join(self.root, "onboard", "references")
+        refs = Q.in_background(Q.reference_runs, cache, pending["identity"], recipe, self.opts.engine, self.opts.threads, prompts)
         summary = Q.run(
             self._pairing(),
             recipe,
