@@ -56,6 +56,23 @@ COMMANDS: dict[tuple[str, ...], tuple[list[str], int]] = {
     ("session", "list"): (["--config", "{w}/host.pub"], 3),
     ("session", "create"): (["--config", "{w}/host.pub", "--tokens-file", "{w}/host.pub"], 3),
     ("session", "show"): (["s1", "--config", "{w}/host.pub"], 3),
+    # onboarding: the cluster above has no identity, so node add is refused at preflight
+    # before any SSH; the node-local steps that read stdin are given a --dir that is a file
+    # (refused at parse time, so nothing waits on the runner's stdin)
+    ("node", "add"): (["u@127.0.0.1", "--cluster", "{w}/cluster", "--role", "producer", "--name", "n1", "--known-hosts", "{w}/host.pub"], 1),
+    ("node", "list"): (["--cluster", "{w}/cluster"], 0),
+    ("node", "show"): (["n1", "--cluster", "{w}/cluster"], 0),
+    ("node", "remove"): (["n1", "--cluster", "{w}/cluster"], 0),
+    ("node-local", "preflight"): (["--dir", "{w}/nl"], 0),
+    ("node-local", "keygen"): (["--dir", "{w}/nl", "--name", "n1", "--version", "1"], 0),
+    ("node-local", "install"): (["--dir", "{w}/host.pub", "--version", "1"], 2),
+    ("node-local", "put-secret"): (["--dir", "{w}/host.pub", "--key-id", "p-to-r"], 2),
+    ("node-local", "remove-secret"): (["--dir", "{w}/nl", "--key-id", "p-to-r"], 0),
+    ("node-local", "put-config"): (["--dir", "{w}/host.pub", "--name", "producer.json"], 2),
+    ("node-local", "remove-config"): (["--dir", "{w}/nl", "--name", "producer.json"], 0),
+    ("node-local", "receipt"): (["--dir", "{w}/nl", "--path", "{w}/host.pub"], 2),
+    ("node-local", "status"): (["--dir", "{w}/nl"], 0),
+    ("node-local", "daemon"): (["status", "--dir", "{w}/nl", "--unit", "producer"], 0),
 }
 
 
