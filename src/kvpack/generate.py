@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass, field
 
-from .format.constants import PREFIX_BLOCK_TOKENS
+from .vocab import is_token_aligned
 from .store import PackStore
 
 
@@ -63,7 +63,7 @@ def prefill_with_checkpoints(session, tokens: list[int], checkpoints: dict[int, 
         def capture(s) -> None:
             advance(s.position - done[0])
             done[0] = s.position
-            if s.position % PREFIX_BLOCK_TOKENS == 0:
+            if is_token_aligned(s.position):
                 if store is not None:
                     store.save(s)
                 else:
@@ -119,7 +119,7 @@ def generate(engine, store: PackStore | None, prompt_tokens: list[int], *, max_n
             # exact cut from the final session, off the TTFT path
             for cut in sorted(checkpoints):
                 saving_store.save(session, cut=cut, logits=checkpoints[cut])
-        saved = sorted(c for c in checkpoints if c % PREFIX_BLOCK_TOKENS == 0 or c == prompt_cut)
+        saved = sorted(c for c in checkpoints if is_token_aligned(c) or c == prompt_cut)
         # The decoded continuation is not saved: a cut reached by decode steps is exact for
         # its own continuation but is not what a chunked prefill of the same tokens computes,
         # and "same prompt, same text, reused or not" must hold (docs/store.md).

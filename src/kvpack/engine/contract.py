@@ -105,12 +105,6 @@ def id32(component: str, obj: Any) -> bytes:
     return hashlib.sha256(ENGINE_DOMAIN + component.encode("ascii") + b"\0" + canonical_json(obj)).digest()
 
 
-def sha256_hex(data: bytes | str) -> str:
-    if isinstance(data, str):
-        data = data.encode("utf-8")
-    return hashlib.sha256(data).hexdigest()
-
-
 # --------------------------------------------------------------------------------------------
 # layout
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import EngineError, MissingExtraError
-from .contract import sha256_hex
+from ..vocab import sha256_hex
 
 _log = logging.getLogger("kvpack.engine.models")
 

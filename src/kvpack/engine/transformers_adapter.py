@@ -43,11 +43,12 @@ from .contract import (
     InstallContext,
     LayerSpec,
 )
+from ..vocab import TOKEN_ALIGN
 from .models import LoadedModel, canonical_config
 
 ADAPTER_NAME = "kvpack.engine.transformers_adapter"
 ADAPTER_VERSION = 1
-REUSE_BLOCK_TOKENS = 256  # production-v1 PREFIX_BLOCK_TOKENS: reusable cuts are multiples of it
+REUSE_BLOCK_TOKENS = TOKEN_ALIGN  # reusable cuts are multiples of kvpack's one token alignment
 
 _TORCH_TO_WIRE = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}
 

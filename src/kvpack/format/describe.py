@@ -24,6 +24,7 @@ from .codec import decode_frame
 from .objects import Family, Manifest, Schema, StateDeclaration
 from .pack import _header_digest, decode_pack, pack_structure
 from .sidecar import StatsSidecar
+from ..vocab import sha256_hex
 from .wire import fail
 
 KIND_BY_MAGIC = {
@@ -142,7 +143,7 @@ def _keyless_pack(data: bytes, h: Any) -> dict[str, Any]:
 
 def describe(data: bytes, *, root: bytes | None = None) -> dict[str, Any]:
     kind = detect_kind(data)
-    out: dict[str, Any] = {"kind": kind, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    out: dict[str, Any] = {"kind": kind, "bytes": len(data), "sha256": sha256_hex(data)}
     if kind == "pack":
         h, _f = pack_structure(data)
         out.update(

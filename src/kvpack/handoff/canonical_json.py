@@ -24,6 +24,7 @@ import json
 from typing import Any, Iterable, Mapping
 
 from ..errors import ProtocolError
+from ..vocab import StrictJsonError, reject_constant, reject_duplicate_keys
 
 U32_MAX = 2**32 - 1
 U64_MAX = 2**64 - 1
@@ -61,24 +62,13 @@ def _reject_floats(value: Any) -> None:
             stack.extend(v)
 
 
-def _pairs_no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, val in pairs:
-        if key in out:
-            raise ProtocolError("json", f"duplicate object key {key!r}")
-        out[key] = val
-    return out
-
-
 def _no_float(text: str) -> Any:
     raise ProtocolError("json", f"number {text!r} is not an integer")
 
 
-def _no_constant(text: str) -> Any:
-    raise ProtocolError("json", f"{text} is not JSON")
-
-
-_DECODER = json.JSONDecoder(object_pairs_hook=_pairs_no_duplicates, parse_float=_no_float, parse_constant=_no_constant)
+# Duplicate keys and NaN/Infinity are refused by the shared strict-JSON hooks (kvpack.vocab);
+# this wire also refuses every non-integer number.
+_DECODER = json.JSONDecoder(object_pairs_hook=reject_duplicate_keys, parse_float=_no_float, parse_constant=reject_constant)
 
 
 def parse_json(data: bytes | bytearray | memoryview, max_len: int) -> Any:
@@ -98,6 +88,8 @@ def parse_json(data: bytes | bytearray | memoryview, max_len: int) -> Any:
         value = _DECODER.decode(text)
     except ProtocolError:
         raise
+    except StrictJsonError as exc:
+        raise ProtocolError("json", str(exc)) from None
     except (ValueError, RecursionError) as exc:
         # ValueError covers JSONDecodeError and Python's int-digit limit on huge numbers.
         raise ProtocolError("json", f"malformed JSON: {exc}") from exc

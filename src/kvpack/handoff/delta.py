@@ -27,6 +27,7 @@ from typing import Any, Optional, Sequence
 from ..errors import ProtocolError
 from . import canonical_json as cj
 from .manifest import BeginManifestV2, SegmentDescriptorV2
+from ..vocab import is_token_aligned
 from .schedule import PREFIX_CUT_ALIGN, SegmentKey, SpanLayout, SpanSegment, check_cut, schedule_span
 
 
@@ -57,7 +58,7 @@ def validate_prefix_cut(
     if cut == 0:
         return
     position = manifest.position
-    if cut % PREFIX_CUT_ALIGN != 0 or cut >= position:
+    if not is_token_aligned(cut) or cut >= position:
         raise ProtocolError("delta", "delta prefix cut is not a 256-aligned cut inside the prompt")
     if held_token_ids is None or len(held_token_ids) < cut:
         raise ProtocolError("delta", "delta prefix cut names a prefix the receiving session does not hold")

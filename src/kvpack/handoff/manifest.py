@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 from ..errors import ProtocolError
+from ..vocab import is_hex64, sha256_hex
 from . import canonical_json as cj
 
 if TYPE_CHECKING:
@@ -56,21 +57,11 @@ COMPONENT_KINDS = frozenset({"target_kv", "dflash_context", "vision_context"})
 ELEMENT_SIZES = {"f16_le": 2, "f32_le": 4}
 
 _TRANSFER_ID = re.compile(r"[A-Za-z0-9_.\-]{1,128}\Z")
-_HEX64 = re.compile(r"[0-9a-f]{64}\Z")
-
-
-def is_hex64(value: Any) -> bool:
-    """True for exactly 64 lowercase hex digits (every digest and tag on this wire)."""
-    return isinstance(value, str) and _HEX64.match(value) is not None
 
 
 def valid_transfer_id(value: Any) -> bool:
     """1..=128 ASCII characters of ``[A-Za-z0-9-_.]`` (C.4, errata L11)."""
     return isinstance(value, str) and value.isascii() and _TRANSFER_ID.match(value) is not None
-
-
-def sha256_hex(data: bytes | bytearray | memoryview) -> str:
-    return hashlib.sha256(data).hexdigest()
 
 
 def _require_hex(value: str, what: str) -> None:

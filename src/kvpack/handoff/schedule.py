@@ -27,9 +27,11 @@ from collections.abc import Iterable
 from typing import Any, Optional
 
 from ..errors import ProtocolError
+from ..vocab import TOKEN_ALIGN
 from .manifest import ELEMENT_SIZES
 
-PREFIX_CUT_ALIGN = 256
+#: Upstream's name for the delta-cut alignment; it is kvpack's one token alignment.
+PREFIX_CUT_ALIGN = TOKEN_ALIGN
 
 
 @dataclass(frozen=True)

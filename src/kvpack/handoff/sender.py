@@ -23,11 +23,11 @@ been written out; its digest was taken when ``send_segment`` was called.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable
 from typing import Any, NoReturn, Optional, Sequence, TypeVar
 
 from ..errors import ProtocolError
+from ..vocab import is_token_aligned, sha256_hex
 from .events import Abort, Ack, Begin, Seal, Segment
 from .events import Frame
 from .frames import FrameDecoder, FrameLimits, WireBuffers, encode_frame
@@ -66,7 +66,7 @@ def descriptor_for(intent: SpanSegment | SegmentDescriptorV2, sequence: int, pay
         element_type=intent.element_type,
         elements_per_token=intent.elements_per_token,
         byte_len=view.nbytes,
-        sha256=sha256 if sha256 is not None else hashlib.sha256(view).hexdigest(),
+        sha256=sha256 if sha256 is not None else sha256_hex(view),
     )
 
 
@@ -98,7 +98,7 @@ class Sender:
             expected_key_id=manifest.hmac.key_id,
             minimum_epoch=0,
         )
-        if prefix_cut < 0 or (prefix_cut and (prefix_cut % 256 or prefix_cut >= manifest.position)):
+        if prefix_cut < 0 or (prefix_cut and (not is_token_aligned(prefix_cut) or prefix_cut >= manifest.position)):
             # Upstream DeferredHandoffV2Sender: 256-aligned and inside the prompt.
             raise ProtocolError("delta", "prefix_cut must be 256-aligned and inside the prompt", remote=False)
         self.manifest = manifest

@@ -49,7 +49,6 @@ before it allocates anything, restores the cut through the pack store's verified
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import secrets
@@ -60,6 +59,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import KvpackError, MigrationError, ProtocolError
+from ..vocab import sha256_hex
 
 BUNDLE_MAGIC = b"KVSBND1\0"
 ENVELOPE_MAGIC = b"KVSENV1\0"
@@ -134,7 +134,7 @@ def encode_bundle(record: dict[str, Any], files: dict[str, bytes]) -> bytes:
     for name in names:
         if not _NAME_RE.match(name) or ".." in name.split("/"):
             raise MigrationError("usage", f"bundle file name {name!r} is not allowed")
-    listed = [{"name": n, "bytes": len(files[n]), "sha256": hashlib.sha256(files[n]).hexdigest()} for n in names]
+    listed = [{"name": n, "bytes": len(files[n]), "sha256": sha256_hex(files[n])} for n in names]
     record = dict(record)
     record["files"] = listed
     rec = canonical_record(record)
@@ -202,7 +202,7 @@ def decode_bundle(data: bytes | memoryview) -> Bundle:
         raise _integrity("file table and record disagree (names or order)")
     for entry in listed:
         body = files[entry["name"]]
-        if entry["bytes"] != len(body) or entry["sha256"] != hashlib.sha256(body).hexdigest():
+        if entry["bytes"] != len(body) or entry["sha256"] != sha256_hex(body):
             raise _integrity(f"file {entry['name']!r}: size or SHA-256 differs from the record")
     if encode_bundle({k: v for k, v in record.items() if k != "files"}, files) != bytes(mv):
         raise _integrity("bundle is not in canonical form")
@@ -400,7 +400,3 @@ def open_sealed(blob: bytes | memoryview, key: bytes) -> bytes:
             raise _integrity(f"sealed bundle segment {i} failed authentication (wrong key or altered bytes)") from None
         off += n
     return bytes(out)
-
-
-def sha256_hex(data: bytes | memoryview) -> str:
-    return hashlib.sha256(data).hexdigest()

@@ -24,8 +24,6 @@ committed transfer is never lost and never reported committed without its sessio
 
 from __future__ import annotations
 
-import hashlib
-import re
 import time
 from typing import Any, Optional
 
@@ -33,12 +31,12 @@ from ..durable import durable_unlink
 from ..errors import MigrationError
 from . import failpoints
 from . import machine as M
-from .bundle import check_identity, decode_bundle, open_sealed, sha256_hex
+from ..vocab import is_hex64, sha256_hex
+from .bundle import check_identity, decode_bundle, open_sealed
 from .journal import ID_RULE, Journals, decode_key, valid_id, view
 from .registry import SessionRegistry
 
 MAX_TRANSFER_BYTES = 32 * 1024**3
-HEX64 = re.compile(r"[0-9a-f]{64}")
 IDENTITY_KEYS = (
     "model_sha256",
     "tokenizer_sha256",
@@ -50,10 +48,6 @@ IDENTITY_KEYS = (
     "vision_preprocessing_sha256",
 )
 LAYOUT_ABI = "kvpack-kv-layout-v1"
-
-
-def _hex64(value: Any) -> bool:
-    return isinstance(value, str) and HEX64.fullmatch(value) is not None
 
 
 def material_from_prepare(body: dict[str, Any]) -> M.Material:
@@ -68,10 +62,10 @@ def material_from_prepare(body: dict[str, Any]) -> M.Material:
     if not 1 <= body["bytes"] <= MAX_TRANSFER_BYTES:
         raise MigrationError("usage", f"bytes must be in 1..{MAX_TRANSFER_BYTES}")
     for name in ("sha256", "model_sha256", "tokenizer_sha256", "template_sha256", "engine_identity_sha256"):
-        if not _hex64(body[name]):
+        if not is_hex64(body[name]):
             raise MigrationError("usage", f"{name} must be 64 lowercase hex digits")
     for name in ("dflash_identity_sha256", "vision_projector_sha256", "vision_preprocessing_sha256"):
-        if body[name] is not None and not _hex64(body[name]):
+        if body[name] is not None and not is_hex64(body[name]):
             raise MigrationError("usage", f"{name} must be null or 64 lowercase hex digits")
     if (body["vision_projector_sha256"] is None) != (body["vision_preprocessing_sha256"] is None):
         raise MigrationError("usage", "vision digests must be both present or both absent")
@@ -138,7 +132,7 @@ class IncomingTransfers:
     def _verified_plain(self, rec: M.TransferRecord) -> bytes:
         with open(self.journals.payload_path(rec.id), "rb") as fh:
             sealed = fh.read()
-        if len(sealed) != rec.bytes or hashlib.sha256(sealed).hexdigest() != rec.sha256:
+        if len(sealed) != rec.bytes or sha256_hex(sealed) != rec.sha256:
             raise MigrationError("integrity", "stored payload no longer matches its size and SHA-256")
         plain = open_sealed(sealed, decode_key(rec.transport_key))
         bundle = decode_bundle(plain)

@@ -24,7 +24,8 @@ import numpy as np
 from ..durable import atomic_write, durable_unlink, ensure_dir
 from ..errors import MigrationError
 from . import machine as M
-from .bundle import adopt_bundle, decode_bundle, export_bundle, sha256_hex
+from ..vocab import sha256_hex
+from .bundle import adopt_bundle, decode_bundle, export_bundle
 from .journal import ID_RULE, Journals, valid_id
 
 

@@ -10,7 +10,6 @@ the journal records the step. The destination side lives in :mod:`.incoming`.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import secrets
 import threading
@@ -22,7 +21,8 @@ from ..errors import MigrationError
 from . import machine as M
 from .config import NodeConfig, build_engine, read_api_key
 from .decode_tier import DecodeDestination, validate_decode_destination
-from .incoming import HEX64, LAYOUT_ABI, MAX_TRANSFER_BYTES, IncomingTransfers
+from ..vocab import is_hex64, sha256_hex
+from .incoming import LAYOUT_ABI, MAX_TRANSFER_BYTES, IncomingTransfers
 from .journal import ID_RULE, Journals, valid_id, view
 from .registry import SessionRegistry
 from .s3_tier import S3Destination
@@ -63,8 +63,8 @@ class MigrationService:
         ident = self.engine.identity
         ids = ident.ids()
         tmpl = ident.chat_template_digest
-        if not isinstance(tmpl, str) or HEX64.fullmatch(tmpl) is None:
-            tmpl = hashlib.sha256((tmpl or "").encode()).hexdigest()
+        if not is_hex64(tmpl):
+            tmpl = sha256_hex(tmpl or "")
         return {
             "model_sha256": ids.weights_config.hex(),
             "tokenizer_sha256": ids.tokenizer_template.hex(),

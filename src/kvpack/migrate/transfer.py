@@ -39,7 +39,8 @@ from ..durable import atomic_write
 from ..errors import KvpackError, MigrationError
 from . import failpoints
 from . import machine as M
-from .bundle import new_transport_key, open_sealed, seal, sha256_hex
+from ..vocab import sha256_hex
+from .bundle import new_transport_key, open_sealed, seal
 from .journal import decode_key, encode_key
 
 

@@ -33,9 +33,9 @@ from typing import Optional, Sequence
 
 from ..errors import StoreError
 from ..handoff.delta import ReuseAction, classify_reuse
-from ..handoff.schedule import PREFIX_CUT_ALIGN
+from ..vocab import TOKEN_ALIGN, align_tokens_down, is_token_aligned
 
-BLOCK = PREFIX_CUT_ALIGN
+BLOCK = TOKEN_ALIGN
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -151,7 +151,7 @@ class ResidentRadix:
                 # entry ends there, or ``want`` is a chunk boundary (prefill chunks are
                 # absolute multiples of 256, so rows past a boundary depend on where the
                 # computing call ended; docs/engine.md "Determinism").
-                if ident == identity and len(etoks) >= want > 0 and etoks[:want] == tokens[:want] and (len(etoks) == want or want % BLOCK == 0):
+                if ident == identity and len(etoks) >= want > 0 and etoks[:want] == tokens[:want] and (len(etoks) == want or is_token_aligned(want)):
                     self._entries.move_to_end((ident, etoks))
                     return HeldPrefix("resident", tokens[:want], entry)
             node = self._roots.get(identity)
@@ -209,7 +209,7 @@ class Ladder:
         if live_session is not None and live_prefilled:
             m = common_prefix(live_session.tokens[:live_prefilled], tokens)
             if m != live_prefilled:  # same rule as the resident exact match
-                m -= m % BLOCK
+                m = align_tokens_down(m)
             if m:
                 candidates.append(HeldPrefix("live", tuple(tokens[:m]), live_session))
         res = self.resident.lookup(self.identity, tokens)
@@ -228,7 +228,7 @@ class Ladder:
         for c in candidates:
             if c.tier == "live":
                 continue
-            aligned = c.matched - c.matched % BLOCK
+            aligned = align_tokens_down(c.matched)
             if aligned and classify_reuse(aligned, p, c.tier) is ReuseAction.ARM_DELTA:
                 if best is None or aligned > best.matched:
                     held = HeldPrefix(c.tier, tuple(tokens[:aligned]), c.source)

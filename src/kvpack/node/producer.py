@@ -27,7 +27,6 @@ generation is used, so a crash can skip a generation but never reuse one.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
@@ -49,6 +48,7 @@ from ..handoff.sender import Sender
 from ..security.config import ProducerConfig
 from ..security.secret_files import load_hmac_key
 from ..security.tls import client_context, connect, listen, server_context, wrap_accepted
+from ..vocab import FileLock, LockHeld, align_tokens_down, is_token_aligned
 from .common import ReceiptWriter, close_listener, chunk_tokens, now_ms, read_control, readable, verdict_of
 from .ladder import ResidentRadix, RowsSource
 from .metrics import NodeMetrics
@@ -70,11 +70,10 @@ class GenerationLedger:
     def __init__(self, path: str) -> None:
         self.path = os.path.abspath(path)
         ensure_dir(os.path.dirname(self.path), mode=0o700)
-        self._lock_fd = os.open(self.path + ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        self._lock = FileLock(self.path + ".lock")
         try:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(self._lock_fd)
+            self._lock.acquire()
+        except LockHeld:
             raise SecurityError("locked", f"generation ledger {self.path!r} is held by another producer") from None
         if os.path.exists(self.path):
             st = os.lstat(self.path)
@@ -103,9 +102,7 @@ class GenerationLedger:
             return gen
 
     def close(self) -> None:
-        if self._lock_fd >= 0:
-            os.close(self._lock_fd)
-            self._lock_fd = -1
+        self._lock.release()
 
 
 @dataclass
@@ -279,16 +276,16 @@ class ProducerNode:
         cuts: prefill chunks end at absolute multiples of 256, so a prefix restored there and
         extended by prefill computes exactly what an uninterrupted prefill computes."""
         position = len(prompt) - 1
-        limit = (position - 1) - (position - 1) % 256
+        limit = align_tokens_down(position - 1)
         if limit <= 0:
             return 0, "none"
         held = self.resident.lookup(self.identity_digest, prompt[: limit + 1])  # 'prompt' of limit rows + 1
         best_res = 0 if held is None else min(held.matched, limit)
-        best_res -= best_res % 256
+        best_res = align_tokens_down(best_res)
         hit = None
         if self.store is not None:
             hit = self.store.find_deepest(prompt[:limit], self.engine.layout, self.engine.identity.ids())
-        if hit is not None and hit.cut % 256 == 0 and hit.cut > best_res:
+        if hit is not None and is_token_aligned(hit.cut) and hit.cut > best_res:
             # a cut failing verification is quarantined by the store and is a miss here
             if self.store.restore_healing(hit, session, prompt[: hit.cut])[0] is not None:
                 return hit.cut, "durable"
@@ -308,7 +305,7 @@ class ProducerNode:
         prompt = list(req.prompt_token_ids)
         position = len(prompt) - 1  # the receiver holds back the boundary token
         tokens = prompt[:position]
-        cut = hint if hint and hint % 256 == 0 and 0 < hint < position else 0
+        cut = hint if hint and is_token_aligned(hint) and 0 < hint < position else 0
         assert self.ledger is not None  # opened by start()
         gen = self.ledger.take()  # durable before use: never reused
         transfer_id = f"{req.request_id}-{gen}"
@@ -382,7 +379,7 @@ class ProducerNode:
                     raise wire.error
                 if readable(ctl.sock):  # errata H2: the receiver spoke or left: cancel
                     raise _Cancelled()
-                if s.position % 256 == 0 and s.position > reused and self.store is not None:
+                if is_token_aligned(s.position) and s.position > reused and self.store is not None:
                     checkpoints[s.position] = bytes(s.export_logits())
                 while state["next"] < len(schedule):
                     seg = schedule[state["next"]]

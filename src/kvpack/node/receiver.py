@@ -53,6 +53,7 @@ from ..security.config import ReceiverConfig
 from ..security.ledger import ReplayLedger
 from ..security.probe import ProbeResult, check_ledger_volume
 from ..security.tls import client_context, connect, listen, server_context, wrap_accepted
+from ..vocab import is_token_aligned
 from .common import ReceiptWriter, close_listener, greedy, logits_bytes, now_ms, read_control, readable, verdict_of
 from .ladder import DurableMiss, HeldPrefix, Ladder, Plan, ResidentRadix, RowsSource
 from .metrics import NodeMetrics
@@ -626,7 +627,7 @@ class ReceiverNode:
             # The saved cut ends with the boundary row computed by a one-token forward; at an
             # aligned length it would be found as an aligned prefix and armed as a delta base,
             # where the producer's rows come from a chunked prefill. Never publish that one.
-            saveable = save and self.store is not None and len(tokens) % 256 != 0
+            saveable = save and self.store is not None and not is_token_aligned(len(tokens))
             logits_at_prompt = bytes(self.session.export_logits()) if saveable else None
             t_d = time.perf_counter()
             out_tokens, rows = greedy(self.session, max_new_tokens, stop_token_ids)

@@ -30,12 +30,13 @@ import os
 from dataclasses import dataclass
 
 from ..durable import atomic_write
-from ..engine.contract import LAYER_FULL, CacheLayout, sha256_hex
+from ..engine.contract import LAYER_FULL, CacheLayout
 from ..errors import EngineError
 from ..handoff.manifest import ExactIdentityV1
 from ..handoff.schedule import SpanClass, SpanLayout, SpanSegment
+from ..vocab import TOKEN_ALIGN, sha256_hex
 
-TILE_TOKENS = 256
+TILE_TOKENS = TOKEN_ALIGN
 _WIRE_TYPES = {"f32": "f32_le", "f16": "f16_le"}
 
 

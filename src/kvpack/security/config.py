@@ -20,13 +20,14 @@ violations, which keep their ``secret_file`` category.
 from __future__ import annotations
 
 import ipaddress
-import json
 import os
 import re
 from dataclasses import dataclass
 from typing import Any
 
 from ..errors import SecurityError
+from ..vocab import StrictJsonError, is_hex64
+from ..vocab import strict_json_loads as vocab_strict_json_loads
 from .secret_files import load_hmac_key, load_private_key_pem
 from .tls import CONTROL_ALPN, DATA_ALPN, TlsEndpoint, validate_pins
 
@@ -34,7 +35,6 @@ U64_MAX = (1 << 64) - 1
 U32_MAX = (1 << 32) - 1
 CONFIG_MAX_BYTES = 1 << 20
 
-_HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _HOST_CHARS = re.compile(r"^[A-Za-z0-9.:_-]{1,253}$")  # advertised_receiver_host (L10)
 _SERVER_NAME = re.compile(r"^[A-Za-z0-9._-]{1,253}$")  # producer_control.server_name (L10)
 
@@ -51,24 +51,12 @@ IDENTITY_FIELDS = frozenset(IDENTITY_HEX_FIELDS + ("model_revision", "tokenizer_
 # -- strict JSON -----------------------------------------------------------------------------------
 
 
-def _pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise ValueError(f"duplicate key {key!r}")
-        out[key] = value
-    return out
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not allowed")
-
-
 def strict_json_loads(data: bytes, *, source: str) -> Any:
-    """Parse JSON refusing duplicate keys, NaN/Infinity and invalid UTF-8."""
+    """Parse JSON strictly (kvpack.vocab: duplicate keys, NaN/Infinity and invalid UTF-8 are
+    refused); a refusal is a ``config`` error naming ``source``."""
     try:
-        return json.loads(data.decode("utf-8"), object_pairs_hook=_pairs, parse_constant=_no_constant)
-    except (UnicodeDecodeError, ValueError) as exc:
+        return vocab_strict_json_loads(data)
+    except StrictJsonError as exc:
         raise SecurityError("config", f"{source}: not valid JSON: {exc}") from None
 
 
@@ -127,13 +115,13 @@ class _Fields:
         n = len(value.encode("utf-8")) if byte_length else len(value)
         if not lo <= n <= hi:
             raise self.refuse(name, f"must be {lo}..{hi} {'bytes' if byte_length else 'characters'} long")
-        if pattern is not None and not pattern.match(value):
+        if pattern is not None and not pattern.fullmatch(value):  # fullmatch: `$` alone admits a trailing newline
             raise self.refuse(name, f"has characters outside {pattern.pattern}: {value!r}")
         return value
 
     def hex64(self, name: str) -> str:
         value = self.obj[name]
-        if not isinstance(value, str) or not _HEX64.match(value):
+        if not is_hex64(value):
             raise self.refuse(name, f"must be 64 lowercase hex digits, got {value!r}")
         return value
 
@@ -169,7 +157,7 @@ def parse_host_port(text: Any, where: str) -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
         raise SecurityError("config", f"{where} must be 'host:port' with a port 1..65535, got {text!r}")
-    if not _HOST_CHARS.match(host):
+    if not _HOST_CHARS.fullmatch(host):
         raise SecurityError("config", f"{where} host {host!r} has invalid characters")
     return host, int(port)
 

@@ -44,7 +44,6 @@ disjoint counter space too.
 from __future__ import annotations
 
 import datetime as _dt
-import fcntl
 import hashlib
 import ipaddress
 import json
@@ -57,6 +56,7 @@ from typing import Any
 
 from ..durable import atomic_write, ensure_dir
 from ..errors import SecurityError
+from ..vocab import FileLock, is_hex64, sha256_hex
 from .config import parse_identity, strict_json_loads
 from .secret_files import load_private_key_pem
 
@@ -100,7 +100,7 @@ def cert_pem(cert) -> bytes:
 def cert_sha256(cert) -> str:
     from cryptography.hazmat.primitives import serialization
 
-    return hashlib.sha256(cert.public_bytes(serialization.Encoding.DER)).hexdigest()
+    return sha256_hex(cert.public_bytes(serialization.Encoding.DER))
 
 
 def make_ca(common_name: str, *, days: int = DEFAULT_CA_DAYS, key=None):
@@ -762,7 +762,7 @@ def load_identity_file(path: str) -> dict[str, Any]:
             raise SecurityError("enrollment", exc.message) from None
     for name in ("target_cache_identity_sha256", "dflash_identity_sha256"):
         value = obj.get(name)
-        if name in obj and not (isinstance(value, str) and re.fullmatch(r"[0-9a-f]{64}", value)):
+        if name in obj and not is_hex64(value):
             raise SecurityError("enrollment", f"identity file {path!r}: {name} must be 64 lowercase hex")
     return obj
 
@@ -772,7 +772,7 @@ class _EnrollLock:
 
     def __init__(self, root: str) -> None:
         self.root = root
-        self.fd = -1
+        self._lock = FileLock(os.path.join(root, ".enroll.lock"))
 
     _held: dict[str, int] = {}
 
@@ -781,11 +781,9 @@ class _EnrollLock:
             _EnrollLock._held[self.root] += 1  # re-entrant within one call chain
             return self
         ensure_dir(self.root)
-        self.fd = os.open(os.path.join(self.root, ".enroll.lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            self._lock.acquire()
         except OSError:
-            os.close(self.fd)
             raise SecurityError("locked", f"another enrollment is running on {self.root!r}") from None
         _EnrollLock._held[self.root] = 1
         return self
@@ -794,5 +792,4 @@ class _EnrollLock:
         _EnrollLock._held[self.root] -= 1
         if _EnrollLock._held[self.root] == 0:
             del _EnrollLock._held[self.root]
-            if self.fd >= 0:
-                os.close(self.fd)
+            self._lock.release()

@@ -50,8 +50,6 @@ separate from :class:`ReplayLedger`, which does the file I/O.
 from __future__ import annotations
 
 import datetime as _dt
-import errno
-import fcntl
 import getpass
 import json
 import logging
@@ -61,9 +59,9 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
-from .. import strictjson
 from ..durable import REAL_OPS, FileOps, atomic_write, ensure_dir, sync_dir
 from ..errors import DurableIOError, SecurityError
+from ..vocab import FileLock, LockHeld, StrictJsonError, strict_json_loads
 from .ledger_witness import decode_witness, encode_witness, merge, rollback_refusal, witness_path
 from .probe import PROBE_MAX_TAIL_MS, ProbeResult
 from .secret_files import read_protected_file
@@ -141,8 +139,8 @@ def encode_ledger(highest: Mapping[str, int]) -> bytes:
 def decode_ledger(data: bytes, *, source: str = "replay ledger") -> dict[str, int]:
     """Parse ledger bytes strictly (deny unknown fields, u64 values); return the watermarks."""
     try:
-        obj = strictjson.loads(data)
-    except (UnicodeDecodeError, ValueError) as exc:
+        obj = strict_json_loads(data)
+    except StrictJsonError as exc:
         raise SecurityError("ledger", f"{source} is not valid ledger JSON: {exc}") from None
     if not isinstance(obj, dict) or set(obj) != {"highest_generation"}:
         raise SecurityError("ledger", f"{source} must be an object with exactly the field 'highest_generation'")
@@ -168,11 +166,13 @@ class ReplayLedger:
     (a process exit releases it too).
     """
 
-    def __init__(self, path: str, *, minimum_epoch: int, ops: FileOps, lock_fd: int, highest: dict[str, int], witness: Optional[dict[str, int]] = None) -> None:
+    def __init__(
+        self, path: str, *, minimum_epoch: int, ops: FileOps, lock: FileLock, highest: dict[str, int], witness: Optional[dict[str, int]] = None
+    ) -> None:
         self.path = path
         self.minimum_epoch = minimum_epoch
         self._ops = ops
-        self._lock_fd = lock_fd
+        self._lock = lock
         self._highest = highest
         self._witness = dict(highest) if witness is None else witness
         self._degraded: str | None = None
@@ -196,14 +196,14 @@ class ReplayLedger:
             ensure_dir(directory, ops=ops)
         except DurableIOError as exc:
             raise SecurityError("ledger", f"cannot create ledger directory {directory!r}: {exc}") from exc
-        lock_fd = _acquire_lock(os.path.join(directory, f".{name}.lock"), target)
+        lock = _acquire_lock(os.path.join(directory, f".{name}.lock"), target)
         try:
             _remove_stale_temps(directory, name)
             highest, witness = _load_checked(target, minimum_epoch, ops)
         except BaseException:
-            os.close(lock_fd)
+            lock.release()
             raise
-        return cls(target, minimum_epoch=minimum_epoch, ops=ops, lock_fd=lock_fd, highest=highest, witness=witness)
+        return cls(target, minimum_epoch=minimum_epoch, ops=ops, lock=lock, highest=highest, witness=witness)
 
     # -- queries -------------------------------------------------------------------------------
     @property
@@ -305,18 +305,17 @@ class ReplayLedger:
 
     # -- lifetime --------------------------------------------------------------------------------
     def _ensure_open(self) -> None:
-        if self._lock_fd < 0:
+        if not self._lock.held:
             raise SecurityError("ledger", f"replay ledger {self.path!r} is closed")
 
     def close(self) -> None:
-        if self._lock_fd >= 0:
-            fd, self._lock_fd = self._lock_fd, -1
+        if self._lock.held:
             try:
                 sync_dir(os.path.dirname(self.path), ops=self._ops)  # the last witness rename
             except DurableIOError:
                 pass  # it trails by one reservation at worst (a lower bound stays a lower bound)
             finally:
-                os.close(fd)  # closing the descriptor releases the flock
+                self._lock.release()  # closing the descriptor releases the flock
 
     def __enter__(self) -> "ReplayLedger":
         return self
@@ -326,9 +325,7 @@ class ReplayLedger:
 
     def __del__(self) -> None:  # pragma: no cover - best effort for forgotten ledgers
         try:
-            if self._lock_fd >= 0:
-                os.close(self._lock_fd)
-                self._lock_fd = -1
+            self._lock.release()
         except Exception:
             pass
 
@@ -381,33 +378,21 @@ def _load_checked(target: str, minimum_epoch: int, ops: FileOps) -> tuple[dict[s
     return ledger, merged
 
 
-def _acquire_lock(lock_path: str, target: str) -> int:
-    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+def _acquire_lock(lock_path: str, target: str) -> FileLock:
+    # The holder's pid goes into the lock file (informational, not fsynced) so that a refused
+    # second opener can name it.
+    lock = FileLock(lock_path, record_pid=True)
     try:
-        fd = os.open(lock_path, flags, 0o600)
+        return lock.acquire()
+    except LockHeld as exc:
+        raise SecurityError(
+            "locked",
+            f"replay ledger {target!r} is already open in another process"
+            + (f" (pid {exc.holder_pid})" if exc.holder_pid else "")
+            + "; two writers would each trust their own watermark",
+        ) from None
     except OSError as exc:
-        raise SecurityError("ledger", f"cannot open ledger lock {lock_path!r}: {exc.strerror}") from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as exc:
-        holder = ""
-        try:
-            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
-        except OSError:
-            pass
-        os.close(fd)
-        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-            raise SecurityError(
-                "locked",
-                f"replay ledger {target!r} is already open in another process"
-                + (f" (pid {holder})" if holder else "")
-                + "; two writers would each trust their own watermark",
-            ) from None
-        raise SecurityError("ledger", f"cannot lock {lock_path!r}: {exc.strerror}") from None
-    # The pid is informational only (for the refusal message above), hence not fsynced.
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    return fd
+        raise SecurityError("ledger", f"cannot open or lock ledger lock {lock_path!r}: {exc.strerror}") from None
 
 
 def _remove_stale_temps(directory: str, name: str) -> None:
@@ -457,7 +442,7 @@ def reset_ledger(
     directory, name = os.path.split(target)
     if not os.path.isdir(directory):
         raise SecurityError("ledger", f"ledger directory {directory!r} does not exist")
-    lock_fd = _acquire_lock(os.path.join(directory, f".{name}.lock"), target)
+    lock = _acquire_lock(os.path.join(directory, f".{name}.lock"), target)
     try:
         _remove_stale_temps(directory, name)
         notes: list[str] = []
@@ -488,7 +473,7 @@ def reset_ledger(
         log.warning("replay ledger %s reset forward: %s", target, json.dumps(entry, sort_keys=True))
         return entry
     finally:
-        os.close(lock_fd)
+        lock.release()
 
 
 def _user() -> str:

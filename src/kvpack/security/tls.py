@@ -38,9 +38,7 @@ asyncio API: :func:`open_channel`, :func:`start_server`, :class:`AsyncTlsChannel
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import os
-import re
 import select
 import socket
 import ssl
@@ -49,6 +47,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
 from ..errors import SecurityError
+from ..vocab import is_hex64, sha256_hex
 from .secret_files import load_private_key_pem
 
 DATA_ALPN = "muser-kvpack-v2"
@@ -57,8 +56,6 @@ SOCKET_BUFFER_BYTES = 8 << 20
 DEFAULT_HANDSHAKE_TIMEOUT = 10.0
 #: Tickets our servers send after verifying the client chain; clients wait for the first one.
 SERVER_TICKETS = 2
-
-_PIN_RE = re.compile(r"^[0-9a-f]{64}$")
 
 
 # -- configuration -----------------------------------------------------------------------------------
@@ -72,7 +69,7 @@ def validate_pins(pins: Iterable[str], *, what: str = "peer leaf pin set") -> fr
     if not out:
         raise SecurityError("config", f"{what} is empty: at least one leaf SHA-256 pin is required")
     for pin in out:
-        if not isinstance(pin, str) or not _PIN_RE.match(pin):
+        if not is_hex64(pin):
             raise SecurityError("config", f"{what} entry {pin!r} is not 64 lowercase hex digits (SHA-256 of a DER leaf)")
     return out
 
@@ -112,7 +109,7 @@ class TlsEndpoint:
 
 def leaf_sha256(der: bytes) -> str:
     """The pin of a certificate: SHA-256 of its DER bytes, lowercase hex."""
-    return hashlib.sha256(der).hexdigest()
+    return sha256_hex(der)
 
 
 # -- contexts ------------------------------------------------------------------------------------------

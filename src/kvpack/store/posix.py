@@ -24,6 +24,7 @@ from contextlib import contextmanager
 
 from ..durable import REAL_OPS, FileOps, atomic_write, durable_unlink, ensure_dir, sync_dir
 from ..errors import DurableIOError, StoreError
+from ..vocab import FileLock, LockHeld
 from .env import GC, Buffer, Lease, ReadBuffer, ObjectInfo, ObjectMissing, StorageEnv
 
 #: Top-level directories of a store (one per object kind).
@@ -158,21 +159,20 @@ class PosixEnv(StorageEnv):
     # -- leases ------------------------------------------------------------------------------
     @contextmanager
     def lease(self, purpose: str, *, protects: Sequence[str] = ()) -> Iterator[Lease]:
-        fd = os.open(self._p("lock"), os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o600)
+        lock = FileLock(self._p("lock"), shared=purpose != GC)  # gc alone, everyone else shares
+        deadline = time.monotonic() + self.lock_timeout_s
+        while True:
+            try:
+                lock.acquire()
+                break
+            except LockHeld:
+                if time.monotonic() >= deadline:
+                    raise StoreError("locked", f"{self.root}: another process held the store lock for {self.lock_timeout_s:.0f} s") from None
+                time.sleep(0.005)
         try:
-            mode = fcntl.LOCK_EX if purpose == GC else fcntl.LOCK_SH
-            deadline = time.monotonic() + self.lock_timeout_s
-            while True:
-                try:
-                    fcntl.flock(fd, mode | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() >= deadline:
-                        raise StoreError("locked", f"{self.root}: another process held the store lock for {self.lock_timeout_s:.0f} s") from None
-                    time.sleep(0.005)
             yield _FlockLease()
         finally:
-            os.close(fd)  # closing releases the flock
+            lock.release()  # closing releases the flock
 
     def now(self) -> float:
         return time.time()
