@@ -37,7 +37,7 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from .. import strictjson
+from ..vocab import strict_json_loads
 from ..errors import MigrationError
 
 _KEYS = {
@@ -118,7 +118,7 @@ def load_config(path: str) -> NodeConfig:
     path = os.path.abspath(path)
     try:
         with open(path, "rb") as fh:
-            raw = strictjson.loads(fh.read())
+            raw = strict_json_loads(fh.read())
     except OSError as exc:
         raise MigrationError("usage", f"cannot read config {path}: {exc.strerror}") from None
     except ValueError as exc:

@@ -30,7 +30,7 @@ import time
 from dataclasses import asdict, fields, replace
 from typing import Any, Optional
 
-from .. import strictjson
+from ..vocab import strict_json_loads
 from ..durable import REAL_OPS, FileOps, atomic_write, durable_unlink, ensure_dir
 from ..errors import MigrationError
 from . import machine as M
@@ -186,7 +186,7 @@ class Journals:
         except FileNotFoundError:
             return None
         try:
-            obj = strictjson.loads(data)
+            obj = strict_json_loads(data)
         except ValueError:
             raise MigrationError("integrity", f"journal {tid} is not JSON") from None
         return record_from_json(tid, obj)

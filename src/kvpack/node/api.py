@@ -45,7 +45,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .. import strictjson
+from ..vocab import strict_json_loads
 from ..errors import KvpackError, MigrationError
 from ..migrate.config import ApiLimits
 
@@ -200,7 +200,7 @@ async def _json_body(request: Request, model: type[BaseModel], *, timeout_s: flo
         raise ApiError(415, "invalid_request_error", "Content-Type must be exactly application/json")
     data = await _read_json_bytes(request, timeout_s)
     try:
-        strictjson.loads(data)  # duplicate keys and NaN/Infinity refused before pydantic's last-wins parse
+        strict_json_loads(data)  # duplicate keys and NaN/Infinity refused before pydantic's last-wins parse
     except ValueError as exc:
         raise ApiError(400, "invalid_request_error", f"body is not strict JSON: {exc}") from None
     try:
