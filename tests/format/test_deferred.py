@@ -17,7 +17,7 @@ import pytest
 from kvpack.errors import FormatError
 from kvpack.format import constants as C
 from kvpack.format import decode_chunk, decode_pack
-from kvpack.format.chunk import ExternalDigests, _schedule, decode_chunk_deferred, deferrable
+from kvpack.format.chunk import ExternalDigests, decode_chunk_deferred, deferrable, schedule_for
 from kvpack.format.fixtures import fixture_keys, reference_fixture, suites
 from kvpack.format.identity import chunk_content_prefix, hmac_sha256_finish, hmac_sha256_pads
 
@@ -30,7 +30,7 @@ def _setup(combo):
     manifest, _ = decode_pack(objs["pack"], keys)
     key, span, ref = next(manifest.chunk_refs())
     args = dict(ref=ref, span=span, tenant=manifest.tenant, family=manifest.family, key=key, keys=keys, family_digest=manifest.family.digest())
-    inner, outer = hmac_sha256_pads(_schedule(keys, ref.key_epoch).chunk_identity)
+    inner, outer = hmac_sha256_pads(schedule_for(keys, ref.key_epoch).chunk_identity)
     head = inner + chunk_content_prefix(
         manifest.tenant, args["family_digest"], key.layer, key.name, span.token_start, span.token_count, span.plaintext_offset, span.plaintext_bytes
     )

@@ -3,7 +3,6 @@ ledger the handler would reserve into) is unchanged by refused connections."""
 
 from __future__ import annotations
 
-import asyncio
 import socket
 import ssl
 
@@ -17,8 +16,6 @@ from kvpack.security.tls import (
     client_context,
     connect,
     leaf_sha256,
-    open_channel,
-    start_server,
     validate_pins,
 )
 
@@ -92,47 +89,6 @@ def test_correct_handshake_moves_data_and_reserves(tls_pki, tls_server, ledger):
     assert run.done.wait(10) and run.error is None and run.read_error is None
     assert run.received == payload and run.peer_pin == tls_pki.leaves["client"].pin
     assert ledger.watermark("test-key", 1) == 7
-
-
-def test_asyncio_channel_round_trip_and_refusal(tls_pki, ledger):
-    server_ep = tls_pki.endpoint("server", [tls_pki.leaves["client"].pin])
-    refused: list[SecurityError] = []
-    before = ledger_bytes(ledger)
-
-    async def handler(ch):
-        header = await ch.recv_exact(16)
-        body = await ch.recv_exact(int.from_bytes(header[8:], "little"))
-        ledger.reserve("test-key", 1, int.from_bytes(header[:8], "little"))
-        await ch.send(b"ack:" + body[:16])
-
-    async def main():
-        server = await start_server(server_ep, handler, "127.0.0.1", 0, on_refused=lambda err, peer: refused.append(err))
-        port = server.sockets[0].getsockname()[1]
-        try:
-            # An unpinned client: refused by the server; the handler never runs.
-            bad = tls_pki.endpoint("intruder", [tls_pki.leaves["server"].pin])
-            with pytest.raises(SecurityError) as info:
-                ch = await open_channel(bad, "127.0.0.1", port)
-                try:
-                    await ch.send(message(3, b"hello"))
-                    await ch.recv_exact(9)
-                finally:
-                    await ch.close()
-            assert info.value.category == "tls"
-            assert ledger_bytes(ledger) == before
-            good = tls_pki.endpoint("client", [tls_pki.leaves["server"].pin])
-            ch = await open_channel(good, "127.0.0.1", port)
-            await ch.send(message(5, b"hello async"))
-            assert await ch.recv_exact(15) == b"ack:hello async"
-            assert ch.peer_has_spoken
-            await ch.close()
-        finally:
-            server.close()
-            await server.wait_closed()
-
-    asyncio.run(asyncio.wait_for(main(), 20))
-    assert [e.category for e in refused] == ["pin"]
-    assert ledger.watermark("test-key", 1) == 5
 
 
 # -- refusals --------------------------------------------------------------------------------------

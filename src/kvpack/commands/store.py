@@ -211,11 +211,11 @@ def _resolve_cut(store, text: str) -> bytes:
 
 
 def cmd_show(args) -> int:
-    from ..format.describe import _manifest
+    from ..format.describe import manifest_json
 
     store = _open(args)
     chain = store.load_chain(_resolve_cut(store, args.manifest_id))
-    print(json.dumps({"chain": [_manifest(m) for m in chain]}, indent=None if args.json else 1))
+    print(json.dumps({"chain": [manifest_json(m) for m in chain]}, indent=None if args.json else 1))
     return 0
 
 

@@ -39,7 +39,7 @@ from typing import Any
 
 from ..errors import EngineError
 from ..format import constants as C
-from .transformers_adapter import _torch  # one lazy torch import for the engine side
+from .lazy_torch import load_torch as _torch  # one lazy torch import for the engine side
 
 #: Bytes of the largest chunk object (header, max frame, AEAD tag, alignment pad).
 MAX_OBJECT_BYTES = C.MAX_CHUNK_OBJECT_BYTES

@@ -38,7 +38,7 @@ from typing import Any
 from ..format import constants as C
 from . import gpu_digest
 from .cuda import SLOT_BYTES, _pool_for  # one slot size for both staging paths
-from .transformers_adapter import _torch
+from .lazy_torch import load_torch as _torch
 
 #: Where a raw frame's plaintext starts inside its object (header + frame header).
 PLAINTEXT_OFFSET = C.HEADER_BYTES + C.CODEC_FRAME_HEADER_BYTES

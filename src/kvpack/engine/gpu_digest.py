@@ -24,7 +24,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from .transformers_adapter import _torch
+from .lazy_torch import load_torch as _torch
 
 #: Longest head a job may carry (bytes); longer prefixes are verified on the CPU instead.
 HEAD_BYTES = 512

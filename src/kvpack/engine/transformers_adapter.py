@@ -44,6 +44,7 @@ from .contract import (
     LayerSpec,
 )
 from ..vocab import TOKEN_ALIGN
+from .lazy_torch import load_torch as _torch
 from .models import LoadedModel, canonical_config
 
 ADAPTER_NAME = "kvpack.engine.transformers_adapter"
@@ -59,14 +60,6 @@ _NOPE_RULES: dict[str, Callable[[str], bool]] = {
     # Cohere2 applies rotary embeddings only in layers with a sliding window.
     "cohere2": lambda layer_type: layer_type == "full_attention",
 }
-
-
-def _torch():
-    try:
-        import torch
-    except ImportError as exc:  # pragma: no cover - install problem
-        raise EngineError("install", f"torch is not installed: {exc}") from exc
-    return torch
 
 
 def _wire_dtype(dtype: Any) -> str:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from . import constants as C
 from .aead import manifest_data_key, open_sealed, seal
-from .chunk import KeyRing, Keys, _is_zero, _schedule
+from .chunk import KeyRing, Keys, is_zero, schedule_for
 from .keys import KeySchedule
 from .objects import Manifest
 from .validate import validate_manifest
@@ -171,7 +171,7 @@ def pack_structure(data: bytes | memoryview) -> tuple[PackHeader, PackFooter]:
         raise fail("bad_magic", "pack: version/header size/alignment")
     if h.flags & ~1:
         raise fail("reserved", f"pack: unknown flag bits {h.flags:#x}")
-    if h.reserved or h.catalog_epoch or not _is_zero(data[180 : C.HEADER_BYTES]):
+    if h.reserved or h.catalog_epoch or not is_zero(data[180 : C.HEADER_BYTES]):
         raise fail("reserved", "pack: reserved header bytes set")
     if not h.encrypted and (h.salt != _ZERO_SALT or h.nonce != _ZERO_NONCE):
         raise fail("reserved", "pack: salt/nonce set on a plain pack")
@@ -180,7 +180,7 @@ def pack_structure(data: bytes | memoryview) -> tuple[PackHeader, PackFooter]:
     if bytes(data[length - C.HEADER_BYTES : length - C.HEADER_BYTES + 8]) != C.MAGIC_COMMIT:
         raise fail("bad_magic", "pack: commit footer magic")
     f = PackFooter.parse(data)
-    if (f.version, f.footer_bytes, f.reserved, f.reserved64) != (1, C.HEADER_BYTES, 0, 0) or not _is_zero(data[length - C.HEADER_BYTES + 112 :]):
+    if (f.version, f.footer_bytes, f.reserved, f.reserved64) != (1, C.HEADER_BYTES, 0, 0) or not is_zero(data[length - C.HEADER_BYTES + 112 :]):
         raise fail("reserved", "pack: commit footer reserved fields")
     body_len = length - 2 * C.HEADER_BYTES
     if body_len != h.stored_bytes or f.stored_bytes != h.stored_bytes or f.key_epoch != h.key_epoch or f.file_bytes != length or f.manifest_id != h.manifest_id:
@@ -199,7 +199,7 @@ def decode_pack(data: bytes | memoryview, keys: Keys, *, max_restored_bytes: int
     header = bytes(data[: C.HEADER_BYTES])
     if _header_digest(header) != h.header_digest:
         raise fail("checksum", "pack: header digest mismatch")
-    ks = _schedule(keys, h.key_epoch)
+    ks = schedule_for(keys, h.key_epoch)
     body = memoryview(data)[C.HEADER_BYTES : length - C.HEADER_BYTES]
     if not hmac.compare_digest(_footer_mac(ks.manifest_auth, header, body, h.stored_bytes, h.key_epoch, length), f.mac):
         raise fail("authentication", "pack: commit footer HMAC mismatch")

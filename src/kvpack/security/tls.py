@@ -31,19 +31,22 @@ ran its pin/ALPN checks. The channel API therefore never reports success on the 
 Socket options follow the Rust side: TCP_NODELAY and 8 MiB send/receive buffers (set before
 connect/listen so TCP window scaling is negotiated for them).
 
-Blocking API: :func:`listen`, :func:`accept`, :func:`connect`, :class:`TlsChannel`.
-asyncio API: :func:`open_channel`, :func:`start_server`, :class:`AsyncTlsChannel`.
+API (blocking sockets; the daemons run one thread per connection): :func:`listen`,
+:func:`accept`, :func:`connect`, :func:`wrap_accepted`, :class:`TlsChannel`. There is no
+asyncio variant: an earlier one was used only by its own tests.
+
+What it must never do: report a connection as established on the handshake alone, trust the
+system CA store, or load a key by path without the secret-file checks.
 """
 
 from __future__ import annotations
 
-import asyncio
 import os
 import select
 import socket
 import ssl
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ..errors import SecurityError
@@ -252,9 +255,9 @@ def map_tls_error(exc: BaseException, *, stage: str, peer: str = "") -> Security
         if "APPLICATION_PROTOCOL" in reason:
             return SecurityError("alpn", f"{where}: ALPN refused by peer ({exc.reason})")
         return SecurityError("tls", f"{where}: TLS failure ({exc.reason or exc})")
-    if isinstance(exc, (socket.timeout, TimeoutError, asyncio.TimeoutError)):
+    if isinstance(exc, (socket.timeout, TimeoutError)):
         return SecurityError("tls", f"{where}: timed out")
-    if isinstance(exc, (ConnectionError, EOFError, asyncio.IncompleteReadError)):
+    if isinstance(exc, (ConnectionError, EOFError)):
         return SecurityError("tls", f"{where}: peer closed the connection ({type(exc).__name__})")
     if isinstance(exc, OSError):
         return SecurityError("tls", f"{where}: {exc.strerror or exc}")
@@ -538,184 +541,3 @@ def wrap_accepted(
         tls.close()
         raise
     return TlsChannel(tls, info, side="server")
-
-
-# -- asyncio ----------------------------------------------------------------------------------------
-
-STREAM_LIMIT = 8 << 20
-
-
-class AsyncTlsChannel:
-    """A verified mTLS connection over asyncio streams (same contract as :class:`TlsChannel`)."""
-
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: PeerInfo, *, side: str) -> None:
-        self.reader = reader
-        self.writer = writer
-        self.peer = peer
-        self.side = side
-        addr = writer.get_extra_info("peername")
-        self.peer_address = f"{addr[0]}:{addr[1]}" if addr else "?"
-        self.peer_has_spoken = False
-
-    async def recv_exact(self, n: int) -> bytes:
-        try:
-            data = await self.reader.readexactly(n)
-        except asyncio.IncompleteReadError as exc:
-            if not self.peer_has_spoken and not exc.partial:
-                raise _closed_before_speaking(self.peer_address) from None
-            raise EOFError(f"peer {self.peer_address} closed after {len(exc.partial)} of {n} bytes") from None
-        except ssl.SSLError as exc:
-            raise map_tls_error(exc, stage="read", peer=self.peer_address) from None
-        except ConnectionError:
-            if not self.peer_has_spoken:
-                raise _closed_before_speaking(self.peer_address) from None
-            raise
-        if n:
-            self.peer_has_spoken = True
-        return data
-
-    async def recv(self, n: int) -> bytes:
-        """Up to ``n`` bytes; b"" on orderly EOF after the peer had spoken."""
-        try:
-            data = await self.reader.read(n)
-        except ssl.SSLError as exc:
-            raise map_tls_error(exc, stage="read", peer=self.peer_address) from None
-        except ConnectionError:
-            if not self.peer_has_spoken:
-                raise _closed_before_speaking(self.peer_address) from None
-            raise
-        if not data and n:
-            if not self.peer_has_spoken:
-                raise _closed_before_speaking(self.peer_address)
-            return b""
-        self.peer_has_spoken = True
-        return data
-
-    async def send(self, data: bytes | bytearray | memoryview) -> None:
-        try:
-            self.writer.write(data)
-            await self.writer.drain()
-        except ssl.SSLError as exc:
-            raise map_tls_error(exc, stage="write", peer=self.peer_address) from None
-        except ConnectionError:
-            if not self.peer_has_spoken:
-                raise _closed_before_speaking(self.peer_address) from None
-            raise
-
-    async def close(self) -> None:
-        self.writer.close()
-        try:
-            await self.writer.wait_closed()
-        except (OSError, ssl.SSLError):
-            pass
-
-
-async def _await_async_confirmation(reader: asyncio.StreamReader, sslobj: ssl.SSLObject, deadline: float, peer: str) -> None:
-    # asyncio's SSL protocol reads eagerly, so the ticket (or alert) is processed as it arrives;
-    # we observe it through the SSLObject. A short poll is the only public way to see a ticket.
-    while True:
-        exc = reader.exception()
-        if exc is not None:
-            raise map_tls_error(exc, stage="TLS confirmation", peer=peer)
-        session = sslobj.session
-        if session is not None and session.has_ticket:
-            return
-        if len(getattr(reader, "_buffer", b"")):  # the server already sent application data
-            return
-        if reader.at_eof():
-            raise _closed_before_speaking(peer)
-        if time.monotonic() >= deadline:
-            raise SecurityError("tls", f"server {peer} did not confirm the connection before the handshake deadline")
-        await asyncio.sleep(0.002)
-
-
-async def open_channel(
-    endpoint: TlsEndpoint,
-    host: str,
-    port: int,
-    *,
-    server_name: str | None = None,
-    context: ssl.SSLContext | None = None,
-    timeout: float | None = None,
-) -> AsyncTlsChannel:
-    """asyncio twin of :func:`connect`."""
-    name = server_name or endpoint.server_name
-    if not name:
-        raise SecurityError("config", "a server_name (SNI and expected SAN) is required to connect")
-    ctx = context or client_context(endpoint)
-    limit = endpoint.handshake_timeout if timeout is None else timeout
-    deadline = time.monotonic() + limit
-    peer = f"{host}:{port}"
-    try:
-        reader, writer = await asyncio.wait_for(
-            asyncio.open_connection(host, port, limit=STREAM_LIMIT),
-            timeout=max(0.001, deadline - time.monotonic()),
-        )
-    except (OSError, asyncio.TimeoutError) as exc:
-        raise SecurityError("tls", f"cannot connect to {peer}: {exc}") from None
-    try:
-        tune_socket(writer.get_extra_info("socket"))
-        try:
-            await writer.start_tls(
-                ctx,
-                server_hostname=name,
-                ssl_handshake_timeout=max(0.001, deadline - time.monotonic()),
-            )
-        except (OSError, ssl.SSLError, asyncio.TimeoutError) as exc:
-            raise map_tls_error(exc, stage="handshake", peer=peer) from None
-        sslobj = writer.get_extra_info("ssl_object")
-        info = verify_peer(sslobj, endpoint.peer_pins, endpoint.alpn)
-        await _await_async_confirmation(reader, sslobj, deadline, peer)
-    except BaseException:
-        writer.transport.abort()
-        raise
-    return AsyncTlsChannel(reader, writer, info, side="client")
-
-
-@dataclass
-class _ServerState:
-    endpoint: TlsEndpoint
-    context: ssl.SSLContext
-    handler: Callable[[AsyncTlsChannel], Awaitable[None]]
-    on_refused: Callable[[SecurityError, str], None] | None
-
-
-async def start_server(
-    endpoint: TlsEndpoint,
-    handler: Callable[[AsyncTlsChannel], Awaitable[None]],
-    host: str,
-    port: int,
-    *,
-    context: ssl.SSLContext | None = None,
-    on_refused: Callable[[SecurityError, str], None] | None = None,
-) -> asyncio.Server:
-    """Serve verified channels: ``handler`` is called only for connections that passed every check.
-
-    Refused connections are closed and reported to ``on_refused(error, peer_address)``. The
-    channel is closed when ``handler`` returns.
-    """
-    state = _ServerState(endpoint, context or server_context(endpoint), handler, on_refused)
-
-    async def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        addr = writer.get_extra_info("peername")
-        peer = f"{addr[0]}:{addr[1]}" if addr else "?"
-        tune_socket(writer.get_extra_info("socket"))
-        try:
-            try:
-                await writer.start_tls(state.context, ssl_handshake_timeout=endpoint.handshake_timeout)
-            except (OSError, ssl.SSLError, asyncio.TimeoutError) as exc:
-                raise map_tls_error(exc, stage="handshake", peer=peer) from None
-            info = verify_peer(writer.get_extra_info("ssl_object"), endpoint.peer_pins, endpoint.alpn)
-        except SecurityError as err:
-            writer.transport.abort()
-            if state.on_refused is not None:
-                state.on_refused(err, peer)
-            return
-        channel = AsyncTlsChannel(reader, writer, info, side="server")
-        try:
-            await state.handler(channel)
-        finally:
-            await channel.close()
-
-    sock = listen(host, port)
-    return await asyncio.start_server(on_connect, sock=sock, limit=STREAM_LIMIT)
