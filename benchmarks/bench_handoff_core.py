@@ -33,7 +33,9 @@ import sys
 import threading
 import time
 import tracemalloc
+from concurrent.futures import ThreadPoolExecutor
 
+from kvpack.handoff.hashing import INLINE
 from kvpack.handoff.manifest import PROTOCOL, BeginManifestV2, ComponentV2, ExactIdentityV1, HmacRef
 from kvpack.handoff.receiver import Receiver, ReceiverConfig
 from kvpack.handoff.schedule import MUSE, muse_intents, payload_bytes
@@ -54,7 +56,12 @@ def position_for(target: int) -> int:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--bytes", type=int, default=1 << 30, help="approximate payload bytes (default 1 GiB)")
+    ap.add_argument(
+        "--hash-threads", type=int, default=4, help="threads of the hashing pool passed to sender and receiver (default 4; 0 = the core's inline default)"
+    )
     args = ap.parse_args(argv)
+    # The handoff core hashes on the executor its driver passes (kvpack.handoff.hashing).
+    executor = ThreadPoolExecutor(args.hash_threads, thread_name_prefix="bench-hash") if args.hash_threads > 0 else INLINE
 
     position = position_for(args.bytes)
     intents = muse_intents(position)
@@ -83,7 +90,7 @@ def main(argv=None) -> int:
     # Sender -> in-memory wire bytes.
     wire = bytearray()
     t0 = time.perf_counter()
-    sender = Sender(manifest, KEY)
+    sender = Sender(manifest, KEY, hash_executor=executor)
     for buf in sender.begin():
         wire += buf
     for seg, payload in zip(intents, payloads):
@@ -108,6 +115,7 @@ def main(argv=None) -> int:
             sink,
             Ledger(),
             now_unix_ms=created + 1,
+            hash_executor=executor,
         )
         pos = 0
         effects = []
@@ -157,10 +165,11 @@ def main(argv=None) -> int:
             sink,
             Ledger(),
             now_unix_ms=created + 1,
+            hash_executor=executor,
         )
 
         def produce():
-            s = Sender(manifest, KEY)
+            s = Sender(manifest, KEY, hash_executor=executor)
             q.put(b"".join(s.begin()))
             for seg, payload in zip(intents, payloads):
                 for buf in s.send_segment(payload, seg):
@@ -198,6 +207,7 @@ def main(argv=None) -> int:
         "ratio_end_to_end_pipelined": round(t_ceiling / t_pipe, 3),
         "receiver_peak_extra_bytes": peak,
         "receiver_peak_extra_tiles": round(peak / TILE_BYTES, 2),
+        "hash_threads": args.hash_threads,
         "python": sys.version.split()[0],
         "cpus": os.cpu_count(),
     }

@@ -55,6 +55,7 @@ import tempfile
 import threading
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # handoff_doubles, in spawned children too
 
@@ -217,9 +218,22 @@ class _Profile:
             self.prof.dump_stats(self.path)
 
 
+_POOL: list[ThreadPoolExecutor] = []
+
+
+def _hash_pool() -> ThreadPoolExecutor:
+    """This child process's hashing pool, passed to the handoff core as its executor (the core
+    starts no threads of its own). A benchmark child is one process per stripe: one pool each."""
+    if not _POOL:
+        _POOL.append(ThreadPoolExecutor(4, thread_name_prefix="bench-hash"))
+    return _POOL[0]
+
+
 def _sealed_receiver(chan, group, share: int, position: int, created: int, tid: str, loop: str = "fill") -> dict:
     sink = CountingSink()
-    receiver = Receiver(ReceiverConfig(key=KEY, key_id="bench", minimum_epoch=1, layout=None), sink, MemoryLedger(), now_unix_ms=created + 1)
+    receiver = Receiver(
+        ReceiverConfig(key=KEY, key_id="bench", minimum_epoch=1, layout=None), sink, MemoryLedger(), now_unix_ms=created + 1, hash_executor=_hash_pool()
+    )
     committed = None
     if loop == "fill":
         recv_into = chan.sock.recv_into  # the verified SSLSocket: no per-record channel wrapper
@@ -262,7 +276,7 @@ def _sealed_receiver(chan, group, share: int, position: int, created: int, tid: 
 
 
 def _sealed_sender(chan, group, payload: memoryview, position: int, created: int, tid: str) -> dict:
-    sender = Sender(_manifest(tid, position, created), KEY)
+    sender = Sender(_manifest(tid, position, created), KEY, hash_executor=_hash_pool())
     q: queue.Queue = queue.Queue(maxsize=8)  # hashing/framing || TLS encrypt + send
     errors: list = []
 

@@ -32,6 +32,7 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from kvpack.handoff.control import MAX_PROMPT_TOKENS  # noqa: F401 - import check only
 from kvpack.handoff.manifest import PROTOCOL, BeginManifestV2, ComponentV2, HmacRef
@@ -44,6 +45,9 @@ from kvpack.security.config import load_producer_config, load_receiver_config
 from kvpack.security.enroll import Cluster
 from kvpack.node.wire import identity_file_json
 from kvpack.security.tls import accept, client_context, connect, listen, server_context
+
+#: The hashing pool this benchmark passes to the handoff core (which starts no threads itself).
+HASH_POOL = ThreadPoolExecutor(4, thread_name_prefix="bench-hash")
 
 RING = 64 << 20
 
@@ -155,7 +159,11 @@ def run_rate(engine, rcfg, pcfg, total: int) -> dict:
             ch.sendall(b"k")
         else:
             rx = Receiver(
-                ReceiverConfig(key, rcfg.hmac_key_id, rcfg.minimum_hmac_epoch, layout=layout), RingSink(), NoLedger(), now_unix_ms=time.time_ns() // 1_000_000
+                ReceiverConfig(key, rcfg.hmac_key_id, rcfg.minimum_hmac_epoch, layout=layout),
+                RingSink(),
+                NoLedger(),
+                now_unix_ms=time.time_ns() // 1_000_000,
+                hash_executor=HASH_POOL,
             )
             while True:
                 buf = rx.wanted()
@@ -183,7 +191,7 @@ def run_rate(engine, rcfg, pcfg, total: int) -> dict:
                 ch.sendall(big[: s.byte_len])
             ch.recv_exact(1)
         else:
-            send_sealed(ch, Sender(manifest_for(engine, position, rcfg.hmac_key_id, rcfg.minimum_hmac_epoch, 1), key), segs, big)
+            send_sealed(ch, Sender(manifest_for(engine, position, rcfg.hmac_key_id, rcfg.minimum_hmac_epoch, 1), key, hash_executor=HASH_POOL), segs, big)
         elapsed = time.perf_counter() - t0
         t.join()
         ch.close()
@@ -232,7 +240,7 @@ def run_overhead(engine, rcfg, pcfg, tmp: str, tokens: int) -> dict:
         waiter.start()
         time.sleep(0.2)
         ch = connect(pcfg.data_endpoint("decode-a"), "127.0.0.1", node.data_port)
-        send_sealed(ch, Sender(m, key), segs, big)
+        send_sealed(ch, Sender(m, key, hash_executor=HASH_POOL), segs, big)
         ch.close()
         waiter.join()
         d = box["out"]["durations_s"]

@@ -4,7 +4,8 @@ The streamed path must be invisible to the protocol: every stream -- clean, tamp
 truncated, reordered, fuzzed, fed in any split -- gives exactly the outcome of hashing
 each complete payload on the receiving thread (same refusal category and message, same
 sink and ledger calls, same effects, same seal core). Tiny chunk sizes force many ranges
-per payload through the real lanes and pool threads; large payloads run the defaults.
+per payload through the real lanes, on a thread pool and on the core's default inline
+executor; large payloads run the default sizes. The core itself starts no threads.
 """
 
 from __future__ import annotations
@@ -15,13 +16,16 @@ import random
 import struct
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from kvpack.errors import ProtocolError
 from kvpack.handoff import receiver as receiver_mod
+from kvpack.handoff import manifest as handoff_manifest
 from kvpack.handoff import streamhash
 from kvpack.handoff.frames import MAGIC, decode_all, frame_bytes
+from kvpack.handoff.manifest import SealAccumulator
 from kvpack.handoff.events import Abort
 from kvpack.handoff.receiver import Committed, Receiver, ReceiverConfig
 from kvpack.handoff.schedule import SpanSegment
@@ -32,8 +36,11 @@ from kvpack.handoff.streamhash import PayloadStream
 from ._support import KEY, KEY_ID, NOW, TINY, MemoryLedger, RecordingSink, build_transfer, manifest
 
 MODES = [False, True]
+#: The driver-owned pool the streamed runs hash on (the handoff core never makes one).
+POOL = ThreadPoolExecutor(4, thread_name_prefix="test-stream-hash")
 INLINE = {"stream_hash_min": None}
-STREAMED = {"stream_hash_min": 1, "stream_hash_chunk": 48}
+STREAMED = {"stream_hash_min": 1, "stream_hash_chunk": 48, "hash_executor": POOL}
+STREAMED_INLINE = {"stream_hash_min": 1, "stream_hash_chunk": 48}  # the default executor: no threads
 
 
 def _receiver(layout=TINY, sink=None, ledger=None, **rkw):
@@ -81,8 +88,8 @@ def _outcome(stream: bytes, *, layout=TINY, splits=None, **rkw):
 
 def _same(stream: bytes, **kw):
     inline = _outcome(stream, **INLINE, **kw)
-    streamed = _outcome(stream, **STREAMED, **kw)
-    assert streamed == inline
+    assert _outcome(stream, **STREAMED, **kw) == inline
+    assert _outcome(stream, **STREAMED_INLINE, **kw) == inline
     return inline
 
 
@@ -157,11 +164,11 @@ def test_fuzzed_streams_identical():
 ELEMENTS = 1024  # f16: 2 KiB per token
 
 
-def _big_transfer(tokens=(700, 1, 1100, 513), seed=5):
+def _big_transfer(tokens=(700, 1, 1100, 513), seed=5, **sender_kw):
     """Deferred transfer, no span layout: segments of ~1.4 MiB, 2 KiB, ~2.2 MiB, ~1 MiB."""
     rng = random.Random(seed)
     m = manifest((1,), deferred=True)
-    s = Sender(m, KEY)
+    s = Sender(m, KEY, **sender_kw)
     frames = [b"".join(bytes(b) for b in s.begin())]
     payloads = []
     for seq, count in enumerate(tokens):
@@ -179,6 +186,7 @@ def test_large_payloads_stream_with_defaults():
     defaults = _outcome(stream, layout=None)
     assert defaults[0] is None and defaults[3] == b"".join(payloads)
     assert defaults == _outcome(stream, layout=None, **INLINE)
+    assert defaults == _outcome(stream, layout=None, hash_executor=POOL)
     # wanted() stops at every hash range of a large payload (the driver advances per range)
     r, sink, _ = _receiver(None)
     r.receive_data(b"".join(frames[:1]) + frames[1][: _header_len(frames[1])])
@@ -205,9 +213,9 @@ def test_large_payload_tampering_identical():
     for at in (first, first + chunk - 1, first + chunk, first + len(payloads[0]) - 1, third + 3 * chunk + 5):
         stream = bytearray(base)
         stream[at] ^= 0x80
-        out = _outcome(bytes(stream), layout=None)
+        out = _outcome(bytes(stream), layout=None, hash_executor=POOL)
         assert out[0][0] == "digest" and out[2][-1] == "abort" and out[3] is None
-        assert out == _outcome(bytes(stream), layout=None, **INLINE)
+        assert out == _outcome(bytes(stream), layout=None, **INLINE) == _outcome(bytes(stream), layout=None)
     for cut in (first + 1, first + chunk, first + chunk + 1, third + len(payloads[2]) - 1):
         out = _outcome(base[:cut], layout=None)
         assert out[0][0] == "framing" and out == _outcome(base[:cut], layout=None, **INLINE)
@@ -225,22 +233,21 @@ class _SlowPool:
     def __init__(self):
         self.calls = 0
 
-    def submit(self, fn):
+    def submit(self, fn, *args):
         self.calls += 1
 
         def slow():
             time.sleep(0.002)
-            fn()
+            fn(*args)
 
         threading.Thread(target=slow, daemon=True).start()
 
 
-def test_slow_lanes_never_see_a_reused_buffer(monkeypatch):
+def test_slow_lanes_never_see_a_reused_buffer():
     pool = _SlowPool()
-    monkeypatch.setattr(streamhash, "hash_pool", lambda: pool)
     frames, payloads = _big_transfer(tokens=(520, 530, 515))
     stream = b"".join(frames)
-    kw = {"layout": None, "stream_hash_min": 1, "stream_hash_chunk": 200_000}
+    kw = {"layout": None, "stream_hash_min": 1, "stream_hash_chunk": 200_000, "hash_executor": pool}
     for splits in (None, 7):
         out = _outcome(stream, splits=splits, **kw)
         assert out[0] is None and out[3] == b"".join(payloads)
@@ -306,23 +313,52 @@ def test_payload_stream_errors_and_cancel():
     s.feed(100)  # ignored after cancel
 
 
-def test_forked_child_gets_its_own_pool():
-    import os
+def test_payload_stream_on_a_pool_matches_inline():
+    rng = random.Random(5)
+    data = rng.randbytes(1_000_003)
+    base = hashlib.sha256(b"before")
+    digests = set()
+    for executor in (POOL, None):
+        kw = {} if executor is None else {"executor": executor}
+        s = PayloadStream(memoryview(bytearray(data)), base, 65_536, **kw)
+        for filled in range(0, len(data) + 1, 99_991):
+            s.feed(filled)
+        digests.add((s.digest(), s.running_hash.hexdigest()))
+    assert digests == {(hashlib.sha256(data).hexdigest(), hashlib.sha256(b"before" + data).hexdigest())}
 
-    if not hasattr(os, "fork"):
-        pytest.skip("no fork")
+
+def test_the_handoff_core_starts_no_threads():
+    """Defaults everywhere (the way a forked child or a library user gets them): a streamed
+    large transfer, sender and receiver, runs on the calling thread alone."""
+    before = {t.ident for t in threading.enumerate()}
+    frames, payloads = _big_transfer()
+    out = _outcome(b"".join(frames), layout=None)
+    assert out[0] is None and out[3] == b"".join(payloads)
+    assert {t.ident for t in threading.enumerate()} == before
+    for name in ("hash_pool", "_POOL", "_hash_pool"):
+        assert not hasattr(streamhash, name) and not hasattr(handoff_manifest, name)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_streams_with_the_defaults():
+    """The fork hang of 9d28fc6 (a child inheriting a pool without its threads) cannot come
+    back: the core has no pool. A child forked after the parent hashed on its own pool
+    still digests with the defaults."""
     import warnings
 
-    streamhash.hash_pool().submit(lambda: None).result()  # the parent's pool has a thread
+    POOL.submit(lambda: None).result()  # the parent's (driver-owned) pool has a thread
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # 3.12: fork of a threaded process
         pid = os.fork()
-    if pid == 0:  # child: a streamed digest must not wait on the parent's (absent) threads
+    if pid == 0:  # pragma: no cover - runs in the child
         code = 1
         try:
             s = PayloadStream(memoryview(bytearray(b"x" * 5000)), hashlib.sha256(), 1000)
             s.feed(3000)
-            code = 0 if s.digest() == hashlib.sha256(b"x" * 5000).hexdigest() else 2
+            big = memoryview(bytes(2 << 20))
+            ok = s.digest() == hashlib.sha256(b"x" * 5000).hexdigest()
+            ok = ok and SealAccumulator().add_payload_and_digest(big) == hashlib.sha256(big).hexdigest()
+            code = 0 if ok else 2
         finally:
             os._exit(code)
     deadline = time.monotonic() + 20
@@ -334,24 +370,9 @@ def test_forked_child_gets_its_own_pool():
         time.sleep(0.02)
     os.kill(pid, 9)
     os.waitpid(pid, 0)
-    pytest.fail("streamed digest hung in a forked child")
+    pytest.fail("digest hung in a forked child")
 
 
-@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
-def test_sender_segment_hash_pool_works_in_a_forked_child():
-    """The sender's segment-digest pool, started in the parent, must not hang a forked child
-    (the child has none of the parent's pool threads)."""
-    from kvpack.handoff import manifest as m
-
-    big = memoryview(bytes(2 << 20))
-    want = hashlib.sha256(big).hexdigest()
-    assert m._hash_pool().submit(m._sha256_hex, big).result() == want
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - runs in the child
-        try:
-            ok = m._hash_pool().submit(m._sha256_hex, big).result(timeout=10) == want
-        except BaseException:
-            ok = False
-        os._exit(0 if ok else 1)
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
+def test_sender_on_a_pool_emits_the_same_bytes():
+    # large deferred segments: the segment digest runs on the pool while the running digest is fed
+    assert _big_transfer(hash_executor=POOL) == _big_transfer()

@@ -3,6 +3,9 @@ machines, span schedule, delta rules and control-plane messages (INTEROP PART C)
 
 No module here touches sockets, files, clocks or randomness: drivers pass bytes, the
 current time and collaborators (replay ledger, sink) in. See docs/protocol.md.
+
+Nothing here may start a thread or a pool either: hashing runs on the executor a driver passes
+(:mod:`.hashing`).
 """
 
 from .events import Abort, Ack, Begin, Seal, Segment

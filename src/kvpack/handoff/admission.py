@@ -4,6 +4,8 @@
 receiver asked for: the exact model identity, the request's prompt minus the held-back
 boundary token, the configured target cache identity, DFlash exactly as configured, no
 vision components. Refusals are category ``identity`` (``manifest`` for generation zero).
+
+It must never admit a begin it cannot match to an outstanding request.
 """
 
 from __future__ import annotations

@@ -16,6 +16,8 @@ The field helpers (:func:`u32`, :func:`u64`, :func:`boolean`, :func:`string`,
 :func:`check_keys`) are what the typed parsers in :mod:`manifest`, :mod:`frames` and
 :mod:`control` use to turn a parsed dict into typed values, with "json" refusals named by
 the field path.
+
+It must never emit or accept a float, a duplicate key or a lone surrogate.
 """
 
 from __future__ import annotations

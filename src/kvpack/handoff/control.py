@@ -11,6 +11,8 @@ with a :class:`ControlReceipt`, or failed). Request V2 (multimodal) is not imple
 Sequence (errata H2): the receiver writes one request, reads "accepted", then keeps the
 connection open and silent until its Handoff V2 ack; afterwards it may read one final
 response under a short deadline, as telemetry only.
+
+It must never accept a control message that is not canonical bytes.
 """
 
 from __future__ import annotations

@@ -17,24 +17,26 @@ then ``validate``) and keeps the error classification exact (errata L4).
 ``begin_sha256`` is computed over the typed form, which by construction drops
 ``prefix_cut``, omits ``deferred_segments`` when false, includes ``multimodal: null`` and
 gives every descriptor a ``layer`` key: exactly the normalization errata M2 prescribes.
+
+It must never accept a field the upstream typed parse would refuse, and never hash anything but
+canonical bytes.
 """
 
 from __future__ import annotations
 
 import bisect
 import hashlib
-import os
 import hmac as _hmac
 import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterable, Optional
+from concurrent.futures import Executor
+from typing import Any, Iterable, Optional
 
 from ..errors import ProtocolError
 from ..vocab import is_hex64, sha256_hex
 from . import canonical_json as cj
+from .hashing import INLINE
 
-if TYPE_CHECKING:
-    from concurrent.futures import ThreadPoolExecutor
 
 PROTOCOL = "kvpack-live-handoff-v2"
 
@@ -504,32 +506,9 @@ def verify_seal_tag(key: bytes, seal: SealManifestV2) -> None:
         raise ProtocolError("authentication", "seal HMAC does not verify")
 
 
+#: Payloads at least this large have their two digests computed concurrently when the caller
+#: passes a thread pool (smaller ones are not worth the hand-off).
 _PARALLEL_HASH_MIN = 1 << 20
-_POOL: ThreadPoolExecutor | None = None
-
-
-def _sha256_hex(view: memoryview) -> str:
-    return hashlib.sha256(view).hexdigest()
-
-
-def _forget_pool_in_child() -> None:
-    # A forked child has none of the parent's pool threads: a submit there would wait forever.
-    global _POOL
-    _POOL = None
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_pool_in_child)
-
-
-def _hash_pool() -> ThreadPoolExecutor:
-    """The shared helper threads for segment digests (created on first large segment)."""
-    global _POOL
-    if _POOL is None:
-        from concurrent.futures import ThreadPoolExecutor
-
-        _POOL = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvpack-segment-hash")
-    return _POOL
 
 
 @dataclass
@@ -555,19 +534,20 @@ class SealAccumulator:
         self.segment_count += 1
         self.total_bytes += len(payload)
 
-    def add_payload_and_digest(self, payload: bytes | bytearray | memoryview) -> str:
+    def add_payload_and_digest(self, payload: bytes | bytearray | memoryview, executor: Executor = INLINE) -> str:
         """Feed the running payload digest and return the segment's own SHA-256 (hex).
 
-        Both passes read the same bytes; on large payloads they run concurrently (the
-        segment digest on a helper thread, hashlib releasing the GIL), so a segment costs
-        one hash pass of wall time instead of two. The result is identical either way.
+        Both passes read the same bytes; with a thread-pool ``executor`` a large payload's
+        segment digest runs on it while this thread feeds the running digest (hashlib
+        releases the GIL), so a segment costs one hash pass of wall time instead of two.
+        The result is identical either way; the default runs both here, one after the other.
         """
         view = memoryview(payload).cast("B")
-        if view.nbytes >= _PARALLEL_HASH_MIN:
-            pending = _hash_pool().submit(_sha256_hex, view)
+        if executor is not INLINE and view.nbytes >= _PARALLEL_HASH_MIN:
+            pending = executor.submit(sha256_hex, view)
             self.add_payload(view)
             return pending.result()
-        digest = hashlib.sha256(view).hexdigest()
+        digest = sha256_hex(view)
         self.add_payload(view)
         return digest
 

@@ -45,6 +45,7 @@ from __future__ import annotations
 import hmac as _hmac
 from dataclasses import dataclass
 from collections.abc import Callable
+from concurrent.futures import Executor
 from typing import NoReturn, Optional, Protocol, Sequence, Union
 
 from ..errors import KvpackError, ProtocolError
@@ -52,6 +53,7 @@ from .admission import AdmissionExpectations, check_admission, check_transfer_id
 from .delta import ScheduleWitness, check_declared_schedule, validate_prefix_cut
 from .events import Abort, Ack, Begin, Frame, Seal, Segment
 from .frames import FrameDecoder, FrameLimits, frame_bytes
+from .hashing import INLINE
 from .manifest import (
     BeginManifestV2,
     OverlapTracker,
@@ -162,10 +164,13 @@ class Receiver:
         held_token_ids: Optional[Sequence[int]] = None,
         stream_hash_min: Optional[int] = STREAM_HASH_MIN,
         stream_hash_chunk: int = STREAM_HASH_CHUNK,
+        hash_executor: Executor = INLINE,
     ) -> None:
         """``stream_hash_min``: payloads of at least this many bytes are hashed while they
         arrive, in ranges of ``stream_hash_chunk`` bytes (None: always hash complete
-        payloads on the calling thread's schedule, as :meth:`receive_frame` does)."""
+        payloads on the calling thread's schedule, as :meth:`receive_frame` does).
+        ``hash_executor`` runs that hashing (a driver's thread pool overlaps it with the
+        next reads and runs both digests at once); the default hashes on this thread."""
         if stream_hash_chunk < 1 or (stream_hash_min is not None and stream_hash_min < 1):
             raise ValueError("stream hashing sizes must be positive")
         self.config = config
@@ -187,6 +192,7 @@ class Receiver:
         self._next = 0
         self._stream_min = stream_hash_min
         self._stream_chunk = stream_hash_chunk
+        self._hash_executor = hash_executor
         self._stream: Optional[PayloadStream] = None  # the payload being hashed as it arrives
 
     # -- inputs -------------------------------------------------------------------------
@@ -316,9 +322,9 @@ class Receiver:
                 # other state is refused when it completes), only for large payloads.
                 if filled or self._stream_min is None or view.nbytes < self._stream_min or self.state is not ReceiverState.RECEIVING:
                     return
-                stream = self._stream = PayloadStream(view, self._acc.payload_hash, self._stream_chunk)
+                stream = self._stream = PayloadStream(view, self._acc.payload_hash, self._stream_chunk, self._hash_executor)
             stream.feed(filled)
-        except Exception as exc:  # noqa: BLE001 - e.g. no pool thread at interpreter exit
+        except Exception as exc:  # noqa: BLE001 - e.g. the driver's pool was shut down
             self._fail(ProtocolError("aborted", f"payload hashing failed: {type(exc).__name__}: {exc}", remote=False))
 
     def _drop_stream(self) -> None:
@@ -330,7 +336,7 @@ class Receiver:
         """The segment's SHA-256 (hex), with the running payload digest fed by it: from the
         hash stream that followed this payload in, else computed now."""
         if stream is None or stream.view is not payload:
-            return self._acc.add_payload_and_digest(payload)
+            return self._acc.add_payload_and_digest(payload, self._hash_executor)
         try:
             got = stream.digest()  # waits for both lanes: the buffer is ours again after
         except Exception as exc:  # noqa: BLE001

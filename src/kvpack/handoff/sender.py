@@ -24,6 +24,7 @@ been written out; its digest was taken when ``send_segment`` was called.
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import Executor
 from typing import Any, NoReturn, Optional, Sequence, TypeVar
 
 from ..errors import ProtocolError
@@ -31,6 +32,7 @@ from ..vocab import is_token_aligned, sha256_hex
 from .events import Abort, Ack, Begin, Seal, Segment
 from .events import Frame
 from .frames import FrameDecoder, FrameLimits, WireBuffers, encode_frame
+from .hashing import INLINE
 from .manifest import (
     BeginManifestV2,
     OverlapTracker,
@@ -87,7 +89,11 @@ class Sender:
         *,
         prefix_cut: int = 0,
         limits: FrameLimits = _DEFAULT_LIMITS,
+        hash_executor: Executor = INLINE,
     ) -> None:
+        """``hash_executor`` runs a large deferred segment's own digest while this thread
+        feeds the running payload digest (a driver's thread pool); the default hashes both
+        here, in turn. The bytes on the wire are identical either way."""
         if len(key) != 32:
             raise ValueError("Handoff V2 seal keys are 32 bytes")
         # Self-consistency check with the manifest's own key and clock: the sender has no
@@ -104,6 +110,7 @@ class Sender:
         self.manifest = manifest
         self.prefix_cut = prefix_cut
         self.limits = limits
+        self._hash_executor = hash_executor
         self._key = bytes(key)
         self.state = SenderState.IDLE
         self._acc = SealAccumulator()
@@ -193,7 +200,7 @@ class Sender:
             if intent is None:
                 raise ProtocolError("manifest", "deferred mode needs a segment intent", remote=False)
             # segment digest and running payload digest in one concurrent pass
-            d = descriptor_for(intent, seq, view, sha256=self._acc.add_payload_and_digest(view))
+            d = descriptor_for(intent, seq, view, sha256=self._acc.add_payload_and_digest(view, self._hash_executor))
             check_descriptor(d, self._ids)
             self._overlap.add(d)
             frame = Segment(seq, view, d)

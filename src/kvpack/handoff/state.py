@@ -5,6 +5,9 @@ the checks an input needs and then ask this table for the next state; an input t
 does not list is a ``state`` refusal, and every refusal moves the machine to CLOSED. That
 makes "valid state or typed error, then closed" a property of the table, which the
 hypothesis tests drive with random (state, input) sequences.
+
+It must never hold I/O or checks: transitions are data; an input the table does not list is a
+refusal.
 """
 
 from __future__ import annotations

@@ -9,10 +9,11 @@ driver reports it and hashes it off the receiving thread, so the next ``recv_int
 its decryption) overlaps the hashing of the bytes before it:
 
 * two *lanes*, one per digest, each hashing the buffer strictly front to back; a lane runs
-  on a shared pool thread only while it has work (no thread per receiver, nothing to
-  leak), hashes everything reported since its last update in one call (so a lane that
-  falls behind catches up in large updates), and the two lanes run concurrently, so the
-  two passes cost one hash of wall time;
+  on the driver's executor (:mod:`.hashing`) only while it has work, hashes everything
+  reported since its last update in one call (so a lane that falls behind catches up in
+  large updates), and with a thread pool the two lanes run concurrently, so the two passes
+  cost one hash of wall time (with the default inline executor each range is hashed on the
+  receiving thread as it is reported: the same digests, no overlap);
 * hashlib releases the GIL for large updates, so the receiving thread keeps reading;
 * :meth:`PayloadStream.digest` waits for both lanes, so once it returns nothing reads the
   payload buffer any more and the decoder may reuse it for the next frame;
@@ -20,66 +21,40 @@ its decryption) overlaps the hashing of the bytes before it:
   accumulator changes only when the receiver adopts it, at the very step where it fed the
   running digest before (the protocol's order of checks and their effects do not change).
 
-Nothing here touches sockets: the receiver state machine feeds it offsets of its own buffer.
+Nothing here touches sockets or starts threads: the receiver state machine feeds it offsets
+of its own buffer, and the executor is a parameter.
+
+It must never let a lane read the buffer after :meth:`PayloadStream.digest` returned or the
+stream was cancelled.
 """
 
 from __future__ import annotations
 
 import hashlib
-import os
 import threading
 from concurrent.futures import Executor
 from typing import TYPE_CHECKING, Optional
 
+from .hashing import INLINE
+
 if TYPE_CHECKING:
     from hashlib import _Hash
 
-_POOL: Optional[Executor] = None
-_POOL_LOCK = threading.Lock()
-
-
-def _after_fork_in_child() -> None:
-    # The parent's pool threads do not exist in a forked child: start afresh there.
-    global _POOL, _POOL_LOCK
-    _POOL, _POOL_LOCK = None, threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-def hash_pool() -> Executor:
-    """The shared pool the lanes run on (threads are started on demand, up to the cap).
-
-    Each concurrently streaming receiver keeps at most two threads busy (one per lane), so
-    the cap allows that for several stripes of one process; a lane waiting for a free
-    thread only delays its own digest, never another lane's. A forked child makes its own.
-    """
-    global _POOL
-    if _POOL is None:
-        with _POOL_LOCK:
-            if _POOL is None:
-                from concurrent.futures import ThreadPoolExecutor
-
-                workers = max(4, min(32, 2 * (os.cpu_count() or 2)))
-                _POOL = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvpack-stream-hash")
-    return _POOL
-
 
 class _Lane:
-    """Feeds ``view[:target]`` into one hash, in order, on at most one pool thread at a time.
+    """Feeds ``view[:target]`` into one hash, in order, on at most one executor thread at a time.
 
     The driver only moves ``target`` forward; a drain hashes everything between what it
     already hashed and the current target as one slice, so a lane that falls behind (a
     fast source) catches up in large updates instead of paying a hand-off per range.
     """
 
-    __slots__ = ("_hash", "_view", "_pool", "_lock", "_done", "_target", "_busy", "_idle", "_error", "_cancelled")
+    __slots__ = ("_hash", "_view", "_executor", "_lock", "_done", "_target", "_busy", "_idle", "_error", "_cancelled")
 
-    def __init__(self, h: _Hash, view: memoryview, pool: Executor) -> None:
+    def __init__(self, h: _Hash, view: memoryview, executor: Executor) -> None:
         self._hash = h
         self._view = view
-        self._pool = pool
+        self._executor = executor
         self._lock = threading.Lock()
         self._done = 0  # bytes hashed (written by the draining thread only)
         self._target = 0
@@ -99,7 +74,7 @@ class _Lane:
             self._busy = True
             self._idle.clear()
         try:
-            self._pool.submit(self._drain)
+            self._executor.submit(self._drain)
         except BaseException:
             with self._lock:
                 self._cancelled = True
@@ -148,17 +123,16 @@ class PayloadStream:
 
     __slots__ = ("view", "chunk", "segment_hash", "running_hash", "fed", "filled", "_lanes", "_done")
 
-    def __init__(self, view: memoryview, running: _Hash, chunk: int, pool: Optional[Executor] = None) -> None:
+    def __init__(self, view: memoryview, running: _Hash, chunk: int, executor: Executor = INLINE) -> None:
         if chunk < 1:
             raise ValueError("chunk must be positive")
-        pool = hash_pool() if pool is None else pool
         self.view = view
         self.chunk = chunk
         self.segment_hash = hashlib.sha256()
         self.running_hash = running.copy()
         self.fed = 0  # bytes of view handed to the lanes
         self.filled = 0  # bytes of view the driver reported filled
-        self._lanes = (_Lane(self.segment_hash, view, pool), _Lane(self.running_hash, view, pool))
+        self._lanes = (_Lane(self.segment_hash, view, executor), _Lane(self.running_hash, view, executor))
         self._done = False
 
     def room(self) -> int:
@@ -194,6 +168,6 @@ class PayloadStream:
 
     def cancel(self) -> None:
         """Drop queued ranges (a refusal or abort); a range already being hashed finishes on
-        its pool thread, reading a buffer the closed receiver will not write again."""
+        its executor thread, reading a buffer the closed receiver will not write again."""
         for lane in self._lanes:
             lane.cancel()

@@ -51,6 +51,12 @@ def load_engine(spec: str = "smollm2", *, threads: Optional[int] = None):
     return registry_load(spec, threads=threads)
 
 
+def hash_workers() -> int:
+    """Threads of a daemon's payload-hashing pool: two per transfer being hashed (one per
+    digest), room for a few at once, more on larger machines."""
+    return max(4, min(32, 2 * (os.cpu_count() or 2)))
+
+
 def chunk_tokens(engine) -> int:
     return int(getattr(engine, "prefill_chunk_tokens", 256))
 

@@ -35,6 +35,7 @@ import socket
 import ssl
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Optional
 
@@ -49,7 +50,7 @@ from ..security.config import ProducerConfig
 from ..security.secret_files import load_hmac_key
 from ..security.tls import client_context, connect, listen, server_context, wrap_accepted
 from ..vocab import FileLock, LockHeld, align_tokens_down, is_token_aligned
-from .common import ReceiptWriter, close_listener, chunk_tokens, now_ms, read_control, readable, verdict_of
+from .common import ReceiptWriter, close_listener, chunk_tokens, hash_workers, now_ms, read_control, readable, verdict_of
 from .ladder import ResidentRadix, RowsSource
 from .metrics import NodeMetrics
 from .status import attach_producer
@@ -157,6 +158,9 @@ class ProducerNode:
         self._thread: Optional[threading.Thread] = None
         self._stopping = threading.Event()
         self.control_port: Optional[int] = None
+        # segment digests of large payloads run here while the job thread feeds the running
+        # digest (kvpack.handoff.hashing: the core never starts threads itself)
+        self._hash_pool = ThreadPoolExecutor(max_workers=hash_workers(), thread_name_prefix="kvpack-producer-hash")
 
     def start(self) -> "ProducerNode":
         cfg = self.config
@@ -181,6 +185,7 @@ class ProducerNode:
         close_listener(self._listener)
         if self._thread is not None:
             self._thread.join(timeout=10)
+        self._hash_pool.shutdown(wait=False, cancel_futures=True)
         self.metrics.close()
         if self.ledger is not None:
             self.ledger.close()
@@ -324,7 +329,7 @@ class ProducerNode:
             segments=(),
             deferred_segments=True,
         )
-        sender = Sender(manifest, self._keys[receiver.name], prefix_cut=cut)
+        sender = Sender(manifest, self._keys[receiver.name], prefix_cut=cut, hash_executor=self._hash_pool)
         schedule = list(schedule_span(self.layout, position, cut))
         receipt.update(transfer_id=transfer_id, generation=gen, position=position, prefix_cut=cut)
         ns: dict[str, int] = {}

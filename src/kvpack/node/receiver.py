@@ -40,6 +40,7 @@ import socket
 import ssl
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
@@ -54,7 +55,7 @@ from ..security.ledger import ReplayLedger
 from ..security.probe import ProbeResult, check_ledger_volume
 from ..security.tls import client_context, connect, listen, server_context, wrap_accepted
 from ..vocab import is_token_aligned
-from .common import ReceiptWriter, close_listener, greedy, logits_bytes, now_ms, read_control, readable, verdict_of
+from .common import ReceiptWriter, close_listener, greedy, hash_workers, logits_bytes, now_ms, read_control, readable, verdict_of
 from .ladder import DurableMiss, HeldPrefix, Ladder, Plan, ResidentRadix, RowsSource
 from .metrics import NodeMetrics
 from .status import attach_receiver, log_request
@@ -215,6 +216,10 @@ class ReceiverNode:
         self._stopping = threading.Event()
         self.data_port: Optional[int] = None
         self.probe: ProbeResult | None = None
+        # The handoff core hashes on the executor its driver passes (kvpack.handoff.hashing):
+        # this node's pool overlaps a payload's two digests with the reads (threads start on
+        # first use, and go with stop()).
+        self._hash_pool = ThreadPoolExecutor(max_workers=hash_workers(), thread_name_prefix="kvpack-receiver-hash")
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -254,6 +259,7 @@ class ReceiverNode:
                 self._pending.finish(error=ProtocolError("aborted", "receiver shutting down", remote=False))
         for t in self._threads:
             t.join(timeout=5)
+        self._hash_pool.shutdown(wait=False, cancel_futures=True)
         self.metrics.close()
         if self.ledger is not None:
             self.ledger.close()
@@ -335,6 +341,7 @@ class ReceiverNode:
             gate,
             now_unix_ms=pending.t0_ms,
             held_token_ids=pending.held_tokens,
+            hash_executor=self._hash_pool,
         )
         stamps: dict[str, int | str] = {"connected_unix_ns": t_conn, "tls_verified_unix_ns": time.time_ns()}
         perf: dict[str, float] = {"begin_wait0": time.perf_counter()}
