@@ -1,6 +1,14 @@
-"""``kvpack fixture``, ``kvpack inspect`` and ``kvpack verify``: the production-v1 object tools.
+"""``kvpack fixture``, ``inspect``, ``verify``, ``transcode`` and ``verdict``: the production-v1
+object tools.
 
-Refusals are raised (typed FormatError / SecurityError) and reported by the CLI's error
+Why it exists: the reference tool's object verbs, so anyone can build, inspect, judge and
+re-emit objects without Python. The decoding itself lives in :mod:`kvpack.format` (verdicts
+and canonical bytes in :mod:`kvpack.format.verdict`); this module reads files, parses flags
+and prints. What it must never do: print or write anything of an object that was refused, or
+read more input than the largest object of its kind.
+
+``kvpack verdict`` prints its verdict (``ok KIND`` or ``refused <category>: <message>``) on
+stdout and exits 1 for a refusal: the verdict is its output. Every other refusal is raised (typed FormatError / SecurityError) and reported by the CLI's error
 contract: ``kvpack: <category>: <message>`` on stderr, exit 1 for a refused object, 2 for a
 missing/unsafe key or input file (docs/cli.md).
 """
@@ -16,10 +24,20 @@ from ._args import existing_file, not_a_file
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("fixture", help="write every production-v1 reference vector object to OUTDIR/<suite>/<name>")
-    p.add_argument("outdir", type=not_a_file, help="directory to write the vector objects into (created)")
+    p = sub.add_parser("fixture", help="write every production-v1 reference vector object to OUTDIR/<suite>/<name>, or print them as JSON lines")
+    p.add_argument("outdir", nargs="?", type=not_a_file, help="directory to write the vector objects into (created; not with --json-lines)")
     p.add_argument("--manifest", action="store_true", help="also print the vector lines (suite, name, bytes, sha256)")
+    p.add_argument(
+        "--json-lines",
+        action="store_true",
+        help="print JSON lines instead of writing files: per suite a prefix record (prefix-chain nodes), "
+        "the objects (hex), and per delta-chain stage its ids (cut, parent, manifest, chunk, prefix nodes)",
+    )
+    p.add_argument("--suite", action="append", metavar="CODEC/CHUNK/PACK", help="only this suite, e.g. raw/plain/encrypted (repeatable; default all 8)")
+    p.add_argument("--only", choices=("fixture", "delta-chain"), help="with --json-lines: only the fixture or only the delta chain")
     p.set_defaults(func=cmd_fixture)
+
+    _register_transcode_and_verdict(sub)
 
     p = sub.add_parser(
         "inspect",
@@ -40,18 +58,37 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_verify)
 
 
+def _selected_suites(args) -> list[tuple[str, str, str]]:
+    from ..errors import UsageError
+    from ..format.fixtures import suites
+
+    known = {"/".join(s): s for s in suites()}
+    if not args.suite:
+        return list(known.values())
+    unknown = [s for s in args.suite if s not in known]
+    if unknown:
+        raise UsageError("usage", f"unknown suite {unknown[0]!r} (one of {', '.join(known)})")
+    return [known[s] for s in args.suite]
+
+
 def cmd_fixture(args) -> int:
-    import hashlib
-
     from ..durable import atomic_write, ensure_dir
-    from ..format.fixtures import vector_objects
+    from ..errors import UsageError
+    from ..vocab import sha256_hex
 
+    chosen = _selected_suites(args)
+    if args.json_lines:
+        if args.outdir or args.manifest:
+            raise UsageError("usage", "--json-lines prints to standard output; it takes no OUTDIR or --manifest")
+        return _fixture_json_lines(chosen, args.only)
+    if args.outdir is None or args.only:
+        raise UsageError("usage", "give OUTDIR (or --json-lines); --only goes with --json-lines")
     lines = []
-    for suite, name, data in vector_objects():
+    for suite, name, data in _vector_objects(chosen):
         path = os.path.join(args.outdir, suite, name)
         ensure_dir(os.path.dirname(path), mode=0o755)
         atomic_write(path, data, mode=0o644, sync_dir=False)
-        lines.append({"suite": suite, "name": name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()})
+        lines.append({"suite": suite, "name": name, "bytes": len(data), "sha256": sha256_hex(data)})
     if args.json:
         print(json.dumps({"outdir": args.outdir, "objects": len(lines), **({"vectors": lines} if args.manifest else {})}, sort_keys=True))
         return 0
@@ -59,6 +96,30 @@ def cmd_fixture(args) -> int:
         for v in lines:
             print(f"{v['suite']}\t{v['name']}\t{v['bytes']}\t{v['sha256']}")
     print(f"wrote {len(lines)} objects under {args.outdir}", file=sys.stderr)
+    return 0
+
+
+def _vector_objects(chosen: list[tuple[str, str, str]]):
+    """(suite, name, bytes) of the chosen suites, in the vector file's order."""
+    from ..format.fixtures import vector_objects
+
+    wanted = {f"fixture/{'/'.join(c)}" for c in chosen} | {f"delta-chain/{'/'.join(c)}" for c in chosen}
+    return ((suite, name, data) for suite, name, data in vector_objects() if suite in wanted)
+
+
+def _fixture_json_lines(chosen: list[tuple[str, str, str]], only: str | None) -> int:
+    from ..format.fixtures import delta_chain_records, fixture_records
+
+    for combo in chosen:
+        groups = []
+        if only != "delta-chain":
+            groups.append(fixture_records(*combo))
+        if only != "fixture":
+            groups.append(delta_chain_records(*combo))
+        for group in groups:
+            for record in group:
+                sys.stdout.write(json.dumps(record, sort_keys=True) + "\n")
+    sys.stdout.flush()
     return 0
 
 
@@ -145,3 +206,114 @@ def cmd_verify(args) -> int:
         raise UsageError("file", f"{args.file} is a {kind}; verify takes a pack or a chunk object")
     print(json.dumps(out, sort_keys=True) if args.json else text)
     return 0
+
+
+# -- transcode / verdict -----------------------------------------------------------------------
+
+
+def _register_transcode_and_verdict(sub: argparse._SubParsersAction) -> None:
+    from ..format.verdict import KINDS
+
+    context_help = (
+        "decode context: a JSON object (or @FILE holding one) with the check-order TSV's fields: "
+        "root, tenant, epoch (packs and chunks); family (hex), state_key [layer, name], "
+        "ref [content_id, object_key, object_digest, key_epoch, plaintext_bytes, object_bytes], "
+        "span [token_start, token_count, plaintext_offset, plaintext_bytes] (chunks)"
+    )
+    p = sub.add_parser("transcode", help="decode an object of KIND strictly and write its canonical bytes (a refusal writes nothing)")
+    p.add_argument("kind", choices=KINDS, help="the object kind")
+    p.add_argument("file", help="the object, or - for standard input")
+    p.add_argument("--context", help=context_help)
+    p.add_argument("--root-key-file", type=existing_file, help="the root key (instead of the context's root; 0600)")
+    p.add_argument("--out", help="write the canonical bytes here (default: standard output)")
+    p.add_argument("--hex", action="store_true", help="print the canonical bytes as one hex line")
+    p.set_defaults(func=cmd_transcode)
+
+    p = sub.add_parser(
+        "verdict",
+        help="judge an object of KIND (a chunk: against a given ref and span) and print ok or the refusal category",
+        description="Prints 'ok KIND' (exit 0) or 'refused <category>: <message>' (exit 1) on stdout; with --json one "
+        "JSON object. A malformed or incomplete decode context is a usage error (exit 2), not a verdict.",
+    )
+    p.add_argument("kind", choices=KINDS, help="the object kind")
+    p.add_argument("file", help="the object, or - for standard input")
+    p.add_argument("--context", help=context_help)
+    p.add_argument("--root-key-file", type=existing_file, help="the root key (instead of the context's root; 0600)")
+    p.set_defaults(func=cmd_verdict)
+
+
+def _read_bounded(path: str, kind: str) -> bytes:
+    """The whole object from ``path`` (``-``: standard input). Input longer than the largest
+    object of ``kind`` is refused (``bounds``) without reading past that bound."""
+    from ..errors import UsageError
+    from ..format.verdict import max_object_bytes
+    from ..format.wire import fail
+
+    limit = max_object_bytes(kind)
+    try:
+        if path == "-":
+            data = sys.stdin.buffer.read(limit + 1)
+        else:
+            with open(path, "rb") as fh:
+                data = fh.read(limit + 1)
+    except OSError as exc:
+        raise UsageError("file", f"cannot read object file {path!r}: {exc.strerror}") from None
+    if len(data) > limit:
+        raise fail("bounds", f"input exceeds the largest {kind} object ({limit} bytes)")
+    return data
+
+
+def _context(args):
+    """The decode context from ``--context`` (JSON or @FILE) and ``--root-key-file``."""
+    import dataclasses
+
+    from ..errors import UsageError
+    from ..format.verdict import ContextError, DecodeContext
+    from ._args import read_small_file
+
+    text = args.context or "-"
+    if text.startswith("@"):
+        text = read_small_file(text[1:], what="decode context file", max_bytes=1 << 20)
+    try:
+        ctx = DecodeContext.parse(text)
+    except ContextError as exc:
+        raise UsageError("usage", f"--context: {exc}") from None
+    if args.root_key_file:
+        ctx = dataclasses.replace(ctx, root=_load_root(args.root_key_file))
+    return ctx
+
+
+def cmd_transcode(args) -> int:
+    from ..durable import atomic_write
+    from ..errors import UsageError
+    from ..format.verdict import ContextError, canonical_bytes
+
+    ctx = _context(args)
+    data = _read_bounded(args.file, args.kind)
+    try:
+        out = canonical_bytes(args.kind, data, ctx)  # a refusal raises FormatError: nothing is written
+    except ContextError as exc:
+        raise UsageError("usage", f"--context: {exc}") from None
+    if args.out:
+        atomic_write(args.out, out, mode=0o644)
+    elif args.hex:
+        print(out.hex())
+    else:
+        sys.stdout.buffer.write(out)
+        sys.stdout.buffer.flush()
+    return 0
+
+
+def cmd_verdict(args) -> int:
+    from ..errors import FormatError, UsageError
+    from ..format.verdict import ContextError, Verdict, judge
+
+    ctx = _context(args)
+    try:
+        verdict = judge(args.kind, _read_bounded(args.file, args.kind), ctx)
+    except FormatError as exc:  # the input's size alone refuses it
+        verdict = Verdict(args.kind, exc.category, exc.message)
+    except ContextError as exc:
+        raise UsageError("usage", f"--context: {exc}") from None
+    print(json.dumps(verdict.to_json(), sort_keys=True) if args.json else verdict.line())
+    return 0 if verdict.ok else 1

@@ -3,14 +3,18 @@ errata S1-1..S1-3, S3-3..S3-6).
 
 Nothing here knows an expected digest: the conformance test and ``kvpack fixture`` build the
 objects with the real codecs and compare them with ``conformance/production_v1.sha256``.
+
+It must never hard-code an expected digest or byte string: only the published inputs.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 from . import constants as C
-from .chunk import encode_chunk
+from .chunk import EncodedChunk, encode_chunk
 from .codec import encode_frame
 from .identity import InputCutId, PrefixChain, SemanticModelId, auxiliary_root, namespace_id, prefix_context
 from .keys import KeySchedule
@@ -28,6 +32,7 @@ from .objects import (
     StateDeclaration,
     StateKey,
 )
+from ..vocab import sha256_hex
 from .pack import encode_pack
 
 
@@ -160,19 +165,37 @@ def reference_fixture(codec_name: str, chunk_mode: str, pack_mode: str) -> list[
     return objects
 
 
-def reference_delta_chain(codec_name: str, chunk_mode: str, pack_mode: str) -> list[tuple[str, bytes]]:
-    """The 8-stage delta chain of one suite: stage s has cut s+1 and a delta of depth s."""
+@dataclass(frozen=True)
+class DeltaStage:
+    """One stage of a suite's delta chain: stage ``s`` has cut ``s + 1``, depth ``s`` and, from
+    stage 1 on, the previous stage as its parent."""
+
+    stage: int
+    tokens: tuple[int, ...]
+    cut: InputCutId
+    chain: PrefixChain
+    parent: DeltaParent | None
+    manifest_bytes: bytes
+    manifest_id: bytes
+    chunk: EncodedChunk
+    pack: bytes
+    plaintext: bytes
+
+
+def delta_chain_stages(codec_name: str, chunk_mode: str, pack_mode: str) -> list[DeltaStage]:
+    """The 8 stages of one suite's delta chain, with their ids and prefix chains."""
     codec = CODEC_NAMES[codec_name]
     keys = fixture_keys()
     family = fixture_family(codec)
     fam_digest = family.digest()
     enc_chunk = chunk_mode == "encrypted"
     enc_pack = pack_mode == "encrypted"
-    out: list[tuple[str, bytes]] = []
+    stages: list[DeltaStage] = []
     parent: DeltaParent | None = None
     for s in range(8):
         c = s + 1
-        cut, _ = _cut_id(keys, family, tuple(range(1, c + 1)))
+        tokens = tuple(range(1, c + 1))
+        cut, chain = _cut_id(keys, family, tokens)
         plaintext = bytes(range(4 * s, 4 * s + 4))
         schema = _schema(c, s, depth=s, parent=parent)
         chunk = encode_chunk(
@@ -196,15 +219,14 @@ def reference_delta_chain(codec_name: str, chunk_mode: str, pack_mode: str) -> l
             salt=_salt(0x60, s, 16) if enc_pack else bytes(16),
             nonce=_salt(0x80, s, 12) if enc_pack else bytes(12),
         )
-        out += [
-            (f"stage-{s}/manifest", mbytes),
-            (f"stage-{s}/chunk", chunk.obj),
-            (f"stage-{s}/pack", pack),
-            (f"stage-{s}/manifest-id", mid),
-            (f"stage-{s}/plaintext", plaintext),
-        ]
+        stages.append(DeltaStage(s, tokens, cut, chain, parent, mbytes, mid, chunk, pack, plaintext))
         parent = DeltaParent(mid, cut)
-    return out
+    return stages
+
+
+def reference_delta_chain(codec_name: str, chunk_mode: str, pack_mode: str) -> list[tuple[str, bytes]]:
+    """The 8-stage delta chain of one suite as named objects, in vector order."""
+    return [obj for st in delta_chain_stages(codec_name, chunk_mode, pack_mode) for obj in stage_objects(st)]
 
 
 def suites() -> Iterator[tuple[str, str, str]]:
@@ -224,5 +246,84 @@ def vector_objects() -> Iterator[tuple[str, str, bytes]]:
             yield f"delta-chain/{combo}", name, data
 
 
+def fixture_cut(codec_name: str) -> tuple[InputCutId, PrefixChain]:
+    """The fixture's input cut and the keyed prefix chain over its tokens."""
+    return _cut_id(fixture_keys(), fixture_family(CODEC_NAMES[codec_name]), TOKENS)
+
+
+def _prefix_json(chain: PrefixChain) -> dict[str, Any]:
+    return {
+        "context": chain.context.hex(),
+        "root": chain.root.hex(),
+        "token_root": chain.token_root.hex(),
+        "nodes": [{"index": i, "token_count": n.cumulative_count, "node_id": n.node_id.hex(), "reusable": n.reusable} for i, n in enumerate(chain.nodes)],
+    }
+
+
+def _object_record(suite: str, name: str, data: bytes) -> dict[str, Any]:
+    return {"record": "object", "suite": suite, "name": name, "bytes": len(data), "sha256": sha256_hex(data), "hex": data.hex()}
+
+
+def fixture_records(codec_name: str, chunk_mode: str, pack_mode: str) -> Iterator[dict[str, Any]]:
+    """One suite's fixture as JSON-ready records: its prefix chain, then every object."""
+    suite = f"fixture/{codec_name}/{chunk_mode}/{pack_mode}"
+    cut, chain = fixture_cut(codec_name)
+    yield {"record": "prefix", "suite": suite, "tokens": list(TOKENS), "aux_root": cut.aux_root.hex(), **_prefix_json(chain)}
+    for name, data in reference_fixture(codec_name, chunk_mode, pack_mode):
+        yield _object_record(suite, name, data)
+
+
+def delta_chain_records(codec_name: str, chunk_mode: str, pack_mode: str) -> Iterator[dict[str, Any]]:
+    """One suite's delta chain as JSON-ready records: per stage, its ids (cut, parent,
+    manifest, chunk, prefix nodes), then its objects."""
+    suite = f"delta-chain/{codec_name}/{chunk_mode}/{pack_mode}"
+    for st in delta_chain_stages(codec_name, chunk_mode, pack_mode):
+        yield {
+            "record": "stage",
+            "suite": suite,
+            "stage": st.stage,
+            "depth": st.stage,
+            "tokens": list(st.tokens),
+            "token_count": st.cut.token_count,
+            "aux_root": st.cut.aux_root.hex(),
+            "manifest_id": st.manifest_id.hex(),
+            "parent_manifest_id": st.parent.manifest_id.hex() if st.parent else None,
+            "parent_token_count": st.parent.cut.token_count if st.parent else None,
+            "content_id": st.chunk.content_id.hex(),
+            "object_key": st.chunk.object_key.hex(),
+            "object_digest": st.chunk.ref.object_digest.hex(),
+            "pack_sha256": sha256_hex(st.pack),
+            "prefix": _prefix_json(st.chain),
+        }
+        for name, data in stage_objects(st):
+            yield _object_record(suite, name, data)
+
+
+def stage_objects(st: DeltaStage) -> list[tuple[str, bytes]]:
+    """A stage's named objects, in vector order."""
+    s = st.stage
+    return [
+        (f"stage-{s}/manifest", st.manifest_bytes),
+        (f"stage-{s}/chunk", st.chunk.obj),
+        (f"stage-{s}/pack", st.pack),
+        (f"stage-{s}/manifest-id", st.manifest_id),
+        (f"stage-{s}/plaintext", st.plaintext),
+    ]
+
+
 # keep the ChunkRef import meaningful for readers of this module's API
-__all__ = ["reference_fixture", "reference_delta_chain", "vector_objects", "suites", "fixture_keys", "fixture_family", "ChunkRef"]
+__all__ = [
+    "reference_fixture",
+    "reference_delta_chain",
+    "delta_chain_stages",
+    "DeltaStage",
+    "stage_objects",
+    "fixture_cut",
+    "fixture_records",
+    "delta_chain_records",
+    "vector_objects",
+    "suites",
+    "fixture_keys",
+    "fixture_family",
+    "ChunkRef",
+]

@@ -19,14 +19,26 @@ from typing import Any
 
 from ..errors import FormatError
 from .chunk import ChunkHeader, decode_chunk, encode_chunk
+from . import constants as C
 from .keys import KeySchedule
 from .objects import ChunkRef, Family, Manifest, Schema, Span, StateDeclaration, StateKey
-from .pack import PackHeader, decode_pack, encode_pack
+from .pack import MAX_STORED_MANIFEST, PackHeader, decode_pack, encode_pack
 
 #: Every object kind the verbs take, in the reference tool's spelling.
 KINDS = ("pack", "chunk", "manifest", "family", "schema", "state_declaration")
 
 _CONTEXT_FIELDS = ("tenant", "root", "epoch", "family", "state_key", "ref", "span")
+
+
+def max_object_bytes(kind: str) -> int:
+    """The largest object of ``kind`` any decoder accepts: a reader bounds its input by this
+    before allocating it (anything longer is refused without being read)."""
+    _check_kind(kind)
+    if kind == "chunk":
+        return C.MAX_CHUNK_OBJECT_BYTES
+    if kind == "pack":
+        return 2 * C.HEADER_BYTES + MAX_STORED_MANIFEST
+    return C.MAX_MANIFEST_BYTES
 
 
 class ContextError(ValueError):
@@ -230,4 +242,4 @@ def judge(kind: str, data: bytes, context: DecodeContext | None = None) -> Verdi
     return Verdict(kind, None, f"{len(data)} bytes")
 
 
-__all__ = ["KINDS", "ContextError", "DecodeContext", "Verdict", "canonical_bytes", "judge"]
+__all__ = ["KINDS", "max_object_bytes", "ContextError", "DecodeContext", "Verdict", "canonical_bytes", "judge"]
