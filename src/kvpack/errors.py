@@ -7,6 +7,9 @@ other implementations compare; messages are informative only. ``str(err)`` rende
 
 Each domain has its own class with a closed set of categories, so a typo in a category is a
 programming error caught at raise time rather than a silently unmatchable verdict.
+
+Never add a category silently: a new category is a new word every receipt, metric and peer must
+know, so each class lists its closed set here.
 """
 
 from __future__ import annotations

@@ -4,6 +4,9 @@ So anyone can check the seed's byte arithmetic: e.g. ``kvpack schedule --preset 
 --position 65535 --cut 32768 --json`` gives the 517,983,232-byte delta of a 65,536-token
 prompt whose first 32,768 tokens are held (``position`` = prompt minus the held-back
 boundary token).
+
+It only prints; it must never compute the schedule itself (that is
+:mod:`kvpack.handoff.schedule`).
 """
 
 from __future__ import annotations

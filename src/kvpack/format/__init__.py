@@ -3,6 +3,9 @@
 No files, sockets, clocks or randomness inside: salts, nonces and keys are passed in.
 Every decoder consumes its input exactly, re-encodes and compares, and refuses with a
 :class:`kvpack.errors.FormatError` carrying one of the ten normative categories.
+
+This package must never do I/O, read a clock or draw randomness, and never return an object it
+has not fully verified.
 """
 
 from .chunk import ChunkHeader, EncodedChunk, KeyRing, decode_chunk, encode_chunk, verify_chunk_standalone

@@ -2,6 +2,9 @@
 
 AAD is always the exact final 4096-byte header; the data key is HKDF(epoch encryption key,
 header salt, info) with the infos of INTEROP.md A.6.
+
+It must never generate a nonce or salt (they are inputs) nor return plaintext whose tag did not
+verify.
 """
 
 from __future__ import annotations

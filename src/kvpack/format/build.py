@@ -3,6 +3,8 @@
 The store, the handoff and the tests all need the same arithmetic (row-major strides,
 physical offsets, footprints, token-aligned spans of at most 4 MiB); it lives here once so
 that what is written always satisfies :func:`kvpack.format.validate.validate_manifest`.
+
+It must never produce a schema that :func:`validate_manifest` would refuse.
 """
 
 from __future__ import annotations

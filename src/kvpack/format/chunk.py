@@ -4,6 +4,9 @@
 multiple of 4096. A chunk is content-addressed twice: the *content id* (stable key, over the
 plaintext and its position in the state stream) and the *object key* (epoch key, over the
 encoding choices). The manifest's chunk ref carries both plus the SHA-256 of the whole object.
+
+It must never return plaintext before every check of the normative order passed, and never
+generate salts or nonces.
 """
 
 from __future__ import annotations
@@ -49,7 +52,9 @@ class KeyRing:
 Keys = KeySchedule | KeyRing
 
 
-def _schedule(keys: Keys, epoch: int) -> KeySchedule:
+def schedule_for(keys: Keys, epoch: int) -> KeySchedule:
+    """The key schedule for an object's ``epoch``: a ring derives it (epoch 0 refused), a
+    single schedule is used as given (the decoder then checks the epoch binding)."""
     if isinstance(keys, KeyRing):
         if epoch == 0:
             raise fail("semantics", "key epoch 0 is invalid")
@@ -114,7 +119,8 @@ class ChunkHeader:
         )
 
 
-def _is_zero(data: bytes | memoryview) -> bool:
+def is_zero(data: bytes | memoryview) -> bool:
+    """Whether every byte is zero (reserved fields and padding)."""
     raw = bytes(data)
     return raw.count(0) == len(raw)
 
@@ -169,22 +175,8 @@ def encode_chunk(
     same inputs, and every decoder recomputes and compares it.
     """
     epoch = keys.epoch
-    if epoch == 0:
-        raise fail("semantics", "chunk: key epoch 0")
     n = len(plaintext)
-    if span.plaintext_bytes != n:
-        raise fail("semantics", f"chunk: span says {span.plaintext_bytes} bytes, plaintext has {n}")
-    if codec_version != C.CODEC_VERSION:
-        raise fail("codec", f"chunk: codec_version {codec_version}")
-    if not 1 <= n <= C.MAX_CHUNK_PLAINTEXT:
-        raise fail("bounds", f"chunk: plaintext {n} bytes outside 1..4 MiB")
-    if len(salt) != 16 or len(nonce) != 12:
-        raise fail("bounds", "chunk: salt must be 16 bytes and nonce 12")
-    if not encrypted and (salt != _ZERO_SALT or nonce != _ZERO_NONCE):
-        raise fail("reserved", "chunk: salt/nonce given for an unencrypted chunk")
-    if sidecar:
-        StatsSidecar.decode(sidecar)
-    _content_id_precondition(span)
+    _check_encode_inputs(epoch, span, n, codec_version, encrypted, salt, nonce, sidecar)
     if content_id is None:
         content_id = chunk_content_id(
             keys.chunk_identity, keys.tenant, family_digest, key.layer, key.name, span.token_start, span.token_count, span.plaintext_offset, plaintext
@@ -201,17 +193,7 @@ def encode_chunk(
         raise fail("bounds", f"chunk: object {total} bytes exceeds the cap")
     obj = bytearray(total)
     _FIXED.pack_into(obj, 8, 1, C.HEADER_BYTES, C.ALIGNMENT, 1 if encrypted else 0, codec, codec_version, n, frame_len, stored, total, epoch)
-    obj[0:8] = C.MAGIC_CHUNK
-    obj[48:80] = keys.tenant
-    obj[80:112] = family_digest
-    obj[112:144] = content_id
-    obj[144:176] = object_key
-    obj[176:192] = salt
-    obj[192:204] = nonce
-    if sidecar:
-        struct.pack_into("<H", obj, C.SIDECAR_OFFSET, len(sidecar))
-        obj[238 : 238 + len(sidecar)] = sidecar
-    obj[_DIGEST_AT : _DIGEST_AT + 32] = header_digest(obj)
+    _write_header_ids(obj, keys.tenant, family_digest, content_id, object_key, salt, nonce, sidecar)
     if encrypted:
         aad = bytes(obj[: C.HEADER_BYTES])
         data_key = chunk_data_key(keys.chunk_encryption, salt, content_id, object_key)
@@ -227,6 +209,43 @@ def encode_chunk(
     return EncodedChunk(out, ref, content_id, object_key)
 
 
+def _check_encode_inputs(epoch: int, span: Span, n: int, codec_version: int, encrypted: bool, salt: bytes, nonce: bytes, sidecar: bytes | None) -> None:
+    """What :func:`encode_chunk` refuses before building anything (the decoder's rules)."""
+    if epoch == 0:
+        raise fail("semantics", "chunk: key epoch 0")
+    if span.plaintext_bytes != n:
+        raise fail("semantics", f"chunk: span says {span.plaintext_bytes} bytes, plaintext has {n}")
+    if codec_version != C.CODEC_VERSION:
+        raise fail("codec", f"chunk: codec_version {codec_version}")
+    if not 1 <= n <= C.MAX_CHUNK_PLAINTEXT:
+        raise fail("bounds", f"chunk: plaintext {n} bytes outside 1..4 MiB")
+    if len(salt) != 16 or len(nonce) != 12:
+        raise fail("bounds", "chunk: salt must be 16 bytes and nonce 12")
+    if not encrypted and (salt != _ZERO_SALT or nonce != _ZERO_NONCE):
+        raise fail("reserved", "chunk: salt/nonce given for an unencrypted chunk")
+    if sidecar:
+        StatsSidecar.decode(sidecar)
+    _content_id_precondition(span)
+
+
+def _write_header_ids(
+    obj: bytearray, tenant: bytes, family_digest: bytes, content_id: bytes, object_key: bytes, salt: bytes, nonce: bytes, sidecar: bytes | None
+) -> None:
+    """Magic, bindings, salt/nonce, optional sidecar and finally the header digest (which
+    covers everything before it) into the first 4096 bytes of ``obj``."""
+    obj[0:8] = C.MAGIC_CHUNK
+    obj[48:80] = tenant
+    obj[80:112] = family_digest
+    obj[112:144] = content_id
+    obj[144:176] = object_key
+    obj[176:192] = salt
+    obj[192:204] = nonce
+    if sidecar:
+        struct.pack_into("<H", obj, C.SIDECAR_OFFSET, len(sidecar))
+        obj[238 : 238 + len(sidecar)] = sidecar
+    obj[_DIGEST_AT : _DIGEST_AT + 32] = header_digest(obj)
+
+
 def _content_id_precondition(span: Span) -> None:
     """A content id names at least one token (errata E2-3, S2-12 step 11): a zero-token span
     is a ``semantics`` refusal, never an ``authentication`` mismatch. A validated manifest
@@ -235,7 +254,7 @@ def _content_id_precondition(span: Span) -> None:
         raise fail("semantics", "chunk: span of zero tokens (a content id names at least one token)")
 
 
-def _structural(obj: bytes | memoryview) -> ChunkHeader:
+def chunk_structure(obj: bytes | memoryview) -> ChunkHeader:
     """Steps 1-5 of the chunk decode order (no keys needed)."""
     length = len(obj)
     if length < C.HEADER_BYTES or length > C.MAX_CHUNK_OBJECT_BYTES or length % C.ALIGNMENT:
@@ -262,7 +281,7 @@ def _structural(obj: bytes | memoryview) -> ChunkHeader:
     payload_end = C.HEADER_BYTES + h.stored_bytes
     if payload_end > length:
         raise fail("truncated", "chunk: payload runs past the object")
-    if not _is_zero(obj[payload_end:]):
+    if not is_zero(obj[payload_end:]):
         raise fail("reserved", "chunk: nonzero padding")
     side_len = struct.unpack_from("<H", obj, C.SIDECAR_OFFSET)[0]
     tail = bytes(obj[C.SIDECAR_OFFSET + 2 : C.HEADER_BYTES])
@@ -270,9 +289,9 @@ def _structural(obj: bytes | memoryview) -> ChunkHeader:
         if side_len > C.MAX_SIDECAR_BYTES:
             raise fail("bounds", f"chunk: sidecar length {side_len}")
         StatsSidecar.decode(tail[:side_len])
-        if not _is_zero(tail[side_len:]):
+        if not is_zero(tail[side_len:]):
             raise fail("reserved", "chunk: nonzero bytes after the sidecar")
-    elif not _is_zero(tail):
+    elif not is_zero(tail):
         raise fail("reserved", "chunk: nonzero header tail")
     if not h.encrypted and (h.salt != _ZERO_SALT or h.nonce != _ZERO_NONCE):
         raise fail("reserved", "chunk: salt/nonce set on an unencrypted chunk")
@@ -296,7 +315,7 @@ def decode_chunk(
     Every check of A.5 runs in the normative order; the first failure raises FormatError.
     ``family_digest`` may be passed to avoid recomputing it per chunk.
     """
-    h = _structural(obj)
+    h = chunk_structure(obj)
     _check_ref_sizes(h, obj, ref, span)
     if hashlib.sha256(obj).digest() != ref.object_digest:
         raise fail("authentication", "chunk: object digest differs from the ref")
@@ -329,7 +348,7 @@ def _after_object_digest(
         raise fail("semantics", f"chunk: state {key} absent from the family or codec differs")
     if h.tenant != tenant or h.family_digest != fam_digest or h.key_epoch != ref.key_epoch:
         raise fail("authentication", "chunk: tenant/family/epoch binding mismatch")
-    ks = _schedule(keys, ref.key_epoch)
+    ks = schedule_for(keys, ref.key_epoch)
     return _open_and_check_content(obj, h, ks, fam_digest, ref, None if defer_content else key, span)
 
 
@@ -387,7 +406,7 @@ def decode_chunk_deferred(
     SHA-256 and the content-ID HMAC. Steps 1-6 raise here; failures of later steps are held
     in the result (they may only be reported after the object digest, step 7). Raises
     ValueError for a chunk :func:`deferrable` refuses."""
-    h = _structural(obj)
+    h = chunk_structure(obj)
     _check_ref_sizes(h, obj, ref, span)
     if h.encrypted or h.codec != C.CODEC_RAW:
         raise ValueError("only raw unencrypted chunks can be verified with external digests")
@@ -431,10 +450,10 @@ def verify_chunk_standalone(obj: bytes | memoryview, keys: Keys) -> tuple[ChunkH
     """Verify what a chunk can prove without its manifest: structure, header digest, object
     key, AEAD tag and frame. The ref binding (object digest) and the content id need the
     manifest's ref and span; use :func:`decode_chunk` for those."""
-    h = _structural(obj)
+    h = chunk_structure(obj)
     if header_digest(bytes(obj[: C.HEADER_BYTES])) != h.header_digest:
         raise fail("authentication", "chunk: header digest mismatch")
-    ks = _schedule(keys, h.key_epoch)
+    ks = schedule_for(keys, h.key_epoch)
     self_ref = ChunkRef(h.content_id, h.object_key, b"", h.key_epoch, h.plaintext_bytes, len(obj))
     plaintext = _open_and_check_content(obj, h, ks, h.family_digest, self_ref, None, None)
     return h, plaintext

@@ -1,4 +1,8 @@
-"""Production-v1 constants: magics, bounds, enums and domain strings (INTEROP.md A.0, PART E)."""
+"""Production-v1 constants: magics, bounds, enums and domain strings (INTEROP.md A.0, PART E).
+
+Values only; never logic, never a second definition of a shared word (the token alignment comes
+from :mod:`kvpack.vocab`).
+"""
 
 from __future__ import annotations
 

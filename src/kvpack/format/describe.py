@@ -10,6 +10,8 @@ structure and header digest. What only a key can prove is listed in ``unverified
 pack's footer HMAC, an encrypted manifest, a chunk's payload) and ``verified`` is false:
 ``kvpack inspect`` then says "structure ok, not verified" and ``kvpack verify`` (with the
 root key) is the command that proves the object.
+
+It must never present an unverified object as verified.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import hashlib
 from typing import Any
 
 from . import constants as C
-from .chunk import ChunkHeader, KeyRing, _structural, header_digest
+from .chunk import ChunkHeader, KeyRing, chunk_structure, header_digest
 from .validate import validate_manifest
 from .codec import decode_frame
 from .objects import Family, Manifest, Schema, StateDeclaration
@@ -49,7 +51,8 @@ def detect_kind(data: bytes) -> str:
     return kind
 
 
-def _family(f: Family) -> dict[str, Any]:
+def family_json(f: Family) -> dict[str, Any]:
+    """A JSON view of a family (for ``inspect`` and ``store show``)."""
     return {
         "digest": f.digest().hex(),
         "mode": {1: "native", 2: "portable"}.get(f.mode, f.mode),
@@ -69,7 +72,8 @@ def _family(f: Family) -> dict[str, Any]:
     }
 
 
-def _schema(s: Schema) -> dict[str, Any]:
+def schema_json(s: Schema) -> dict[str, Any]:
+    """A JSON view of a realized-cut schema."""
     out: dict[str, Any] = {
         "kind": "delta" if s.parent else "full",
         "depth": s.depth,
@@ -94,7 +98,8 @@ def _schema(s: Schema) -> dict[str, Any]:
     return out
 
 
-def _manifest(m: Manifest) -> dict[str, Any]:
+def manifest_json(m: Manifest) -> dict[str, Any]:
+    """A JSON view of a manifest: ids, family, schema and every chunk ref."""
     return {
         "manifest_id": m.manifest_id().hex(),
         "tenant": m.tenant.hex(),
@@ -103,8 +108,8 @@ def _manifest(m: Manifest) -> dict[str, Any]:
         "token_count": m.cut.token_count,
         "token_root": m.cut.token_root.hex(),
         "aux_root": m.cut.aux_root.hex(),
-        "family": _family(m.family),
-        "schema": _schema(m.schema),
+        "family": family_json(m.family),
+        "schema": schema_json(m.schema),
         "chunks": [
             {
                 "state": str(k),
@@ -137,67 +142,26 @@ def _keyless_pack(data: bytes, h: Any) -> dict[str, Any]:
     if manifest.tenant != h.tenant or manifest.key_epoch != h.key_epoch:
         raise fail("authentication", "pack: manifest tenant/epoch differ from the header")
     validate_manifest(manifest)
-    out["manifest"] = _manifest(manifest)
+    out["manifest"] = manifest_json(manifest)
     return out
 
 
 def describe(data: bytes, *, root: bytes | None = None) -> dict[str, Any]:
+    """A JSON view of any object, detected by its magic (``root``: verify a pack with it)."""
     kind = detect_kind(data)
     out: dict[str, Any] = {"kind": kind, "bytes": len(data), "sha256": sha256_hex(data)}
     if kind == "pack":
-        h, _f = pack_structure(data)
-        out.update(
-            tenant=h.tenant.hex(),
-            key_epoch=h.key_epoch,
-            encrypted=h.encrypted,
-            manifest_id=h.manifest_id.hex(),
-            stored_manifest_bytes=h.stored_bytes,
-            plaintext_manifest_bytes=h.plaintext_bytes,
-        )
-        if root is not None:
-            manifest, _ = decode_pack(data, KeyRing(root, h.tenant))
-            out["verified"] = True
-            out["manifest"] = _manifest(manifest)
-        else:
-            out.update(_keyless_pack(data, h))
+        out.update(_pack_view(data, root))
     elif kind == "chunk":
-        ch = _structural(data)
-        if header_digest(bytes(data[: C.HEADER_BYTES])) != ch.header_digest:
-            raise fail("authentication", "chunk: header digest mismatch")
-        out["verified"] = False
-        out["unverified"] = ["payload: its object digest is in the manifest ref and its content id is keyed (kvpack verify --pack)"]
-        out.update(
-            codec={1: "raw", 2: "lossless"}[ch.codec],
-            encrypted=ch.encrypted,
-            plaintext_bytes=ch.plaintext_bytes,
-            encoded_bytes=ch.encoded_bytes,
-            stored_bytes=ch.stored_bytes,
-            key_epoch=ch.key_epoch,
-            tenant=ch.tenant.hex(),
-            family_digest=ch.family_digest.hex(),
-            content_id=ch.content_id.hex(),
-            object_key=ch.object_key.hex(),
-            has_stats_sidecar=bool(ch.sidecar),
-        )
+        out.update(_chunk_view(data))
     elif kind == "manifest":
-        out["manifest"] = _manifest(Manifest.decode(data))
+        out["manifest"] = manifest_json(Manifest.decode(data))
     elif kind == "family":
-        out["family"] = _family(Family.decode(data))
+        out["family"] = family_json(Family.decode(data))
     elif kind == "schema":
-        out["schema"] = _schema(Schema.decode(data))
+        out["schema"] = schema_json(Schema.decode(data))
     elif kind == "state_declaration":
-        d = StateDeclaration.decode(data)
-        out["state_declaration"] = {
-            "key": str(d.key),
-            "full_shape": list(d.full_shape),
-            "segment_shape": list(d.segment_shape),
-            "strides": list(d.strides),
-            "logical_start": d.logical_start,
-            "logical_count": d.logical_count,
-            "absolute_position": d.absolute_position,
-            "window": d.window,
-            "atomic_group": d.atomic_group,
-        }
+        out["state_declaration"] = _state_declaration_json(StateDeclaration.decode(data))
     elif kind in ("raw_frame", "lossless_frame"):
         decoded = int.from_bytes(data[12:16], "little")
         decode_frame(C.CODEC_RAW if kind == "raw_frame" else C.CODEC_LOSSLESS, data, decoded)
@@ -206,6 +170,60 @@ def describe(data: bytes, *, root: bytes | None = None) -> dict[str, Any]:
         s = StatsSidecar.decode(data)
         out["stats_sidecar"] = {"channels": len(s.channel_ranges), "tokens": len(s.token_norms), "sinks": [list(x) for x in s.sinks]}
     return out
+
+
+def _pack_view(data: bytes, root: bytes | None) -> dict[str, Any]:
+    h, _f = pack_structure(data)
+    out: dict[str, Any] = {
+        "tenant": h.tenant.hex(),
+        "key_epoch": h.key_epoch,
+        "encrypted": h.encrypted,
+        "manifest_id": h.manifest_id.hex(),
+        "stored_manifest_bytes": h.stored_bytes,
+        "plaintext_manifest_bytes": h.plaintext_bytes,
+    }
+    if root is not None:
+        manifest, _ = decode_pack(data, KeyRing(root, h.tenant))
+        out["verified"] = True
+        out["manifest"] = manifest_json(manifest)
+    else:
+        out.update(_keyless_pack(data, h))
+    return out
+
+
+def _chunk_view(data: bytes) -> dict[str, Any]:
+    ch = chunk_structure(data)
+    if header_digest(bytes(data[: C.HEADER_BYTES])) != ch.header_digest:
+        raise fail("authentication", "chunk: header digest mismatch")
+    return {
+        "verified": False,
+        "unverified": ["payload: its object digest is in the manifest ref and its content id is keyed (kvpack verify --pack)"],
+        "codec": {1: "raw", 2: "lossless"}[ch.codec],
+        "encrypted": ch.encrypted,
+        "plaintext_bytes": ch.plaintext_bytes,
+        "encoded_bytes": ch.encoded_bytes,
+        "stored_bytes": ch.stored_bytes,
+        "key_epoch": ch.key_epoch,
+        "tenant": ch.tenant.hex(),
+        "family_digest": ch.family_digest.hex(),
+        "content_id": ch.content_id.hex(),
+        "object_key": ch.object_key.hex(),
+        "has_stats_sidecar": bool(ch.sidecar),
+    }
+
+
+def _state_declaration_json(d: StateDeclaration) -> dict[str, Any]:
+    return {
+        "key": str(d.key),
+        "full_shape": list(d.full_shape),
+        "segment_shape": list(d.segment_shape),
+        "strides": list(d.strides),
+        "logical_start": d.logical_start,
+        "logical_count": d.logical_count,
+        "absolute_position": d.absolute_position,
+        "window": d.window,
+        "atomic_group": d.atomic_group,
+    }
 
 
 __all__ = ["describe", "detect_kind", "ChunkHeader"]

@@ -3,6 +3,8 @@
 Stable keys are salted with the tenant Id32; epoch keys with ``tenant || u64 LE epoch``.
 Epoch 0 is invalid. Keys are derived once per (root, tenant, epoch) and passed to the pure
 codecs; nothing here reads files or clocks.
+
+It must never show key bytes (``repr`` hides them) or accept epoch 0.
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@ declaration (KVSTS1), realized cut schema (KVRCS1) and cut manifest (KVMNF1).
 Decoders here are *structural*: they read fields in wire order, check each count, enum and
 reserved field the moment it is read (INTEROP-A-ERRATA §4.1-4.5), require exact consumption
 and re-encode to compare. Semantic rules live in :mod:`kvpack.format.validate`.
+
+Decoders here must never accept trailing bytes or a non-canonical encoding.
 """
 
 from __future__ import annotations

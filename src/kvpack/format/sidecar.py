@@ -3,6 +3,8 @@
 An optional summary carried in the chunk header tail: per-channel f16 min/max, per-token f16
 L2 norms, and the top-m "sink" tokens by norm. Its SHA-256 (without the u16 length prefix)
 is bound into the chunk's object key.
+
+It must never accept a sidecar that would not re-encode to the same bytes.
 """
 
 from __future__ import annotations

@@ -2,6 +2,9 @@
 
 The checks run in the normative order; the first failure wins, with its category. A manifest
 that passes describes exactly one contiguous, fully covered byte stream per state.
+
+It must never reorder checks for convenience: the category of the first failure is part of the
+format (INTEROP-A-ERRATA-2).
 """
 
 from __future__ import annotations

@@ -3,6 +3,8 @@
 A :class:`Reader` raises ``FormatError("truncated")`` on any read past the end and
 ``FormatError("reserved")`` when bytes are left over; range checks on counts are done by the
 callers the moment a count is read (INTEROP-A-ERRATA S2-10), via :meth:`Reader.count`.
+
+It must never read past the end or leave bytes unconsumed without refusing.
 """
 
 from __future__ import annotations

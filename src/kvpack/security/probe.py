@@ -10,6 +10,8 @@ Each sample times one :func:`kvpack.durable.atomic_write` of 4096 zero bytes to
 ``ledger-probe-<pid>-<i>`` in the ledger's directory (temp file O_EXCL 0600, write, fsync, rename,
 directory fsync: the very code path :meth:`ReplayLedger.reserve` runs); the file is removed after
 the sample, outside the timed window.
+
+It must never leave probe files behind or time anything but the reservation's own write path.
 """
 
 from __future__ import annotations
