@@ -28,7 +28,7 @@ import json
 from collections.abc import Mapping
 from typing import Optional
 
-from .. import strictjson
+from ..vocab import strict_json_loads
 from ..errors import SecurityError
 
 WITNESS_FORMAT = "kvpack-ledger-witness-v1"
@@ -49,7 +49,7 @@ def decode_witness(data: bytes, ledger_name: str, *, source: str) -> dict[str, i
     """Parse witness bytes strictly; it must name ``ledger_name`` (a witness copied from another
     ledger proves nothing about this one)."""
     try:
-        obj = strictjson.loads(data)
+        obj = strict_json_loads(data)
     except (UnicodeDecodeError, ValueError) as exc:
         raise SecurityError("ledger", f"{source} is not valid witness JSON: {exc}") from None
     if not isinstance(obj, dict) or set(obj) != {"format", "highest_generation", "ledger"} or obj["format"] != WITNESS_FORMAT:
