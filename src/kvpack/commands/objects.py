@@ -7,8 +7,9 @@ and canonical bytes in :mod:`kvpack.format.verdict`); this module reads files, p
 and prints. What it must never do: print or write anything of an object that was refused, or
 read more input than the largest object of its kind.
 
-``kvpack verdict`` prints its verdict (``ok KIND`` or ``refused <category>: <message>``) on
-stdout and exits 1 for a refusal: the verdict is its output. Every other refusal is raised (typed FormatError / SecurityError) and reported by the CLI's error
+``kvpack verdict`` prints its verdict (``ok KIND`` or ``refused <category>: <message>``, or
+one JSON object) on stdout, and a refusal then also takes the error contract's path below.
+Refusals are raised (typed FormatError / SecurityError) and reported by the CLI's error
 contract: ``kvpack: <category>: <message>`` on stderr, exit 1 for a refused object, 2 for a
 missing/unsafe key or input file (docs/cli.md).
 """
@@ -232,8 +233,9 @@ def _register_transcode_and_verdict(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "verdict",
         help="judge an object of KIND (a chunk: against a given ref and span) and print ok or the refusal category",
-        description="Prints 'ok KIND' (exit 0) or 'refused <category>: <message>' (exit 1) on stdout; with --json one "
-        "JSON object. A malformed or incomplete decode context is a usage error (exit 2), not a verdict.",
+        description="Prints 'ok KIND' (exit 0) or 'refused <category>: <message>' on stdout (with --json one JSON "
+        "object); a refusal also prints the error contract's stderr line and exits 1. A malformed or incomplete decode "
+        "context is a usage error (exit 2), not a verdict.",
     )
     p.add_argument("kind", choices=KINDS, help="the object kind")
     p.add_argument("file", help="the object, or - for standard input")
@@ -316,4 +318,6 @@ def cmd_verdict(args) -> int:
     except ContextError as exc:
         raise UsageError("usage", f"--context: {exc}") from None
     print(json.dumps(verdict.to_json(), sort_keys=True) if args.json else verdict.line())
-    return 0 if verdict.ok else 1
+    if verdict.category is not None:
+        raise FormatError(verdict.category, verdict.detail)  # the error contract: stderr line, exit 1
+    return 0
