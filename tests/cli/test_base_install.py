@@ -28,6 +28,11 @@ COMMANDS: dict[tuple[str, ...], tuple[list[str], int]] = {
     ("fixture",): (["{w}/fx"], 0),
     ("inspect",): (["{w}/fx/fixture/raw/plain/plain/pack"], 0),
     ("verify",): (["{w}/fx/fixture/raw/plain/plain/pack", "--root-key-file", "{w}/root.key"], 1),  # the vectors' root is not this key
+    ("transcode",): (["manifest", "{w}/fx/fixture/raw/plain/plain/manifest", "--hex"], 0),
+    ("verdict",): (
+        ["pack", "{w}/fx/fixture/raw/plain/plain/pack", "--root-key-file", "{w}/root.key", "--context", '{{"tenant": "' + "01" * 32 + '", "epoch": 7}}'],
+        1,
+    ),
     ("probe-volume",): (["{w}", "--max-tail-ms", "100000"], 0),
     ("enroll", "init"): (["{w}/cluster"], 0),
     ("enroll", "node"): (["{w}/cluster", "prefill-a", "--role", "producer", "--control-listen", "127.0.0.1:29591"], 0),
