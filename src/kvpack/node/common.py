@@ -4,6 +4,7 @@ channel under a deadline."""
 
 from __future__ import annotations
 
+import os
 import select
 import time
 from typing import Any, Optional, Sequence
