@@ -445,3 +445,20 @@ def test_remote_output_that_is_not_json_is_a_typed_refusal(out):
         assert exc.category == "ssh"
     else:
         assert json.dumps(value) is not None
+
+
+def test_run_lock_admits_one_wizard_per_node(tmp_path):
+    # the lock is kvpack.vocab.FileLock: a second wizard is refused, and a free lock reads as
+    # "not held elsewhere" (node show: interrupted rather than running)
+    from kvpack.errors import OnboardError
+    from kvpack.onboard.state import RunLock
+
+    first = RunLock(str(tmp_path), "n1").acquire()
+    assert RunLock(str(tmp_path), "n1").held_elsewhere()
+    with pytest.raises(OnboardError) as info:
+        RunLock(str(tmp_path), "n1").acquire()
+    assert info.value.category == "state"
+    first.release()
+    assert not RunLock(str(tmp_path), "n1").held_elsewhere()
+    with RunLock(str(tmp_path), "n1"):
+        pass

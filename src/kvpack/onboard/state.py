@@ -16,13 +16,13 @@ This module never talks to a node and never decides trust: the wizard does both.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 from typing import Any
 
 from ..durable import atomic_write, ensure_dir
 from ..errors import OnboardError
+from ..vocab import FileLock
 
 SCHEMA = "kvpack-onboard-state-v1"
 STAGES = ("preflight", "keygen", "sign", "install", "configs", "start", "qualify", "healthy")
@@ -157,35 +157,27 @@ class RunLock:
 
     def __init__(self, cluster_root: str, name: str) -> None:
         self.path = os.path.join(onboard_dir(cluster_root, name), ".lock")
-        self.fd = -1
+        self._lock = FileLock(self.path)
 
     def acquire(self) -> "RunLock":
         ensure_dir(os.path.dirname(self.path), mode=0o700)
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            self._lock.acquire()
         except OSError:
-            os.close(self.fd)
-            self.fd = -1
             raise OnboardError("state", f"another 'kvpack node add' is running for this node ({self.path} is locked)") from None
         return self
 
     def release(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        self._lock.release()
 
     def held_elsewhere(self) -> bool:
         """True if a live wizard holds the lock (for ``node show``: running vs interrupted)."""
         if not os.path.exists(self.path):
             return False
-        fd = os.open(self.path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            FileLock(self.path).acquire().release()
         except OSError:
             return True
-        finally:
-            os.close(fd)
         return False
 
     def __enter__(self) -> "RunLock":
