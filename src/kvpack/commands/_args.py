@@ -87,7 +87,7 @@ _UNIT = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
 
 def duration(text: str) -> float:
     """Seconds: ``30``, ``2.5``, ``500ms``, ``10s``, ``5m``, ``1h``; > 0 and at most 7 days."""
-    match = _DURATION.match(text or "")
+    match = _DURATION.fullmatch(text or "")
     if not match:
         raise argparse.ArgumentTypeError(f"must be a duration such as 30, 2.5s, 500ms, 5m or 1h, got {text!r}")
     seconds = float(match.group(1)) * _UNIT[match.group(2)]
@@ -196,7 +196,7 @@ def hex_id(nbytes: int) -> Callable[[str], str]:
     pattern = re.compile(rf"^[0-9a-f]{{{2 * nbytes}}}$")
 
     def parse(text: str) -> str:
-        if not pattern.match(text):
+        if not pattern.fullmatch(text):
             raise argparse.ArgumentTypeError(f"must be {2 * nbytes} lowercase hex digits, got {text!r}")
         return text
 

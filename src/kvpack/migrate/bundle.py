@@ -132,7 +132,7 @@ class Bundle:
 def encode_bundle(record: dict[str, Any], files: dict[str, bytes]) -> bytes:
     names = sorted(files)
     for name in names:
-        if not _NAME_RE.match(name) or ".." in name.split("/"):
+        if not _NAME_RE.fullmatch(name) or ".." in name.split("/"):
             raise MigrationError("usage", f"bundle file name {name!r} is not allowed")
     listed = [{"name": n, "bytes": len(files[n]), "sha256": sha256_hex(files[n])} for n in names]
     record = dict(record)

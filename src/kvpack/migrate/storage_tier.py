@@ -102,7 +102,7 @@ _KEY_RE = re.compile(r"^(ssh-ed25519|ecdsa-sha2-nistp256|ecdsa-sha2-nistp384|ecd
 def host_key_fingerprint(line: str) -> str:
     """OpenSSH ``SHA256:`` fingerprint of a public key line (``type base64 [comment]``)."""
     parts = line.strip().split()
-    if len(parts) < 2 or not _KEY_RE.match(" ".join(parts[:2])):
+    if len(parts) < 2 or not _KEY_RE.fullmatch(" ".join(parts[:2])):
         raise MigrationError("usage", "host key must be an OpenSSH public key line (type base64)")
     blob = base64.b64decode(parts[1])
     return "SHA256:" + base64.b64encode(hashlib.sha256(blob).digest()).decode().rstrip("=")
@@ -134,7 +134,7 @@ def load_storage_node(cluster_dir: str | None, name: str) -> StorageNode:
     from ..errors import SecurityError
     from ..security.enroll import NAME_RE, Cluster
 
-    if not NAME_RE.match(name or ""):
+    if not NAME_RE.fullmatch(name or ""):
         raise MigrationError("usage", f"storage node name {name!r} is not a valid node name")
     if not cluster_dir:
         raise MigrationError("usage", "no cluster_dir configured: storage nodes are unknown")

@@ -96,7 +96,7 @@ def keygen(directory: str, name: str, version: int, sans: list[str]) -> dict[str
     """Generate (or reuse) the key of ``version`` in its 0700 staging directory; return the CSR."""
     from ..security.enroll import generate_key, key_pem, make_csr
 
-    if not NAME_RE.match(name or ""):
+    if not NAME_RE.fullmatch(name or ""):
         raise OnboardError("usage", f"node name {name!r} is not a valid node name")
     d = node_dir(directory)
     vdir = _version_dir(d, version)
@@ -190,7 +190,7 @@ def put_secret(directory: str, key_id: str, data: bytes) -> dict[str, Any]:
     """Write one pair's HMAC key (64 lowercase hex + newline) as ``hmac/<key_id>.key`` 0600."""
     from ..security.secret_files import load_hmac_key, parse_hmac_key
 
-    if not KEY_ID_RE.match(key_id or ""):
+    if not KEY_ID_RE.fullmatch(key_id or ""):
         raise OnboardError("usage", f"key id {key_id!r} is not a valid key id")
     if len(data) != 65 or not data.endswith(b"\n"):
         raise OnboardError("install", "an HMAC key must be sent as 64 lowercase hex digits and a newline")
@@ -208,7 +208,7 @@ def put_secret(directory: str, key_id: str, data: bytes) -> dict[str, Any]:
 
 
 def remove_secret(directory: str, key_id: str) -> dict[str, Any]:
-    if not KEY_ID_RE.match(key_id or ""):
+    if not KEY_ID_RE.fullmatch(key_id or ""):
         raise OnboardError("usage", f"key id {key_id!r} is not a valid key id")
     removed = durable_unlink(os.path.join(node_dir(directory), "hmac", f"{key_id}.key"))
     return {"removed": bool(removed)}
@@ -219,7 +219,7 @@ def put_config(directory: str, filename: str, body: bytes) -> dict[str, Any]:
     satisfy their contracts), then publish it atomically (0600)."""
     from ..security.config import load_producer_config, load_receiver_config
 
-    if not CONFIG_RE.match(filename or ""):
+    if not CONFIG_RE.fullmatch(filename or ""):
         raise OnboardError("usage", f"config name {filename!r} must be producer.json or receiver.<producer>.json")
     if len(body) > MAX_INPUT_BYTES:
         raise OnboardError("install", "config larger than 1 MiB")
@@ -238,7 +238,7 @@ def put_config(directory: str, filename: str, body: bytes) -> dict[str, Any]:
 
 
 def remove_config(directory: str, filename: str) -> dict[str, Any]:
-    if not CONFIG_RE.match(filename or ""):
+    if not CONFIG_RE.fullmatch(filename or ""):
         raise OnboardError("usage", f"config name {filename!r} must be producer.json or receiver.<producer>.json")
     return {"removed": bool(durable_unlink(os.path.join(node_dir(directory), filename)))}
 
@@ -275,7 +275,7 @@ def status(directory: str) -> dict[str, Any]:
             pins = json.loads(fh.read(65536))
     except (OSError, ValueError):
         pins = None
-    configs = sorted(n for n in (os.listdir(d) if os.path.isdir(d) else []) if CONFIG_RE.match(n))
+    configs = sorted(n for n in (os.listdir(d) if os.path.isdir(d) else []) if CONFIG_RE.fullmatch(n))
     return {
         "kvpack_version": kvpack.__version__,
         "dir": d,

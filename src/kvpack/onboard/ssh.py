@@ -44,7 +44,7 @@ def parse_destination(text: str) -> tuple[str, str]:
     """``USER@HOST`` -> (user, host); both checked (no options, no shell syntax)."""
     user, sep, host = text.rpartition("@")
     host = host.strip("[]")
-    if not sep or not _USER.match(user) or not _HOST.match(host) or host.startswith("-"):
+    if not sep or not _USER.fullmatch(user) or not _HOST.fullmatch(host) or host.startswith("-"):
         raise OnboardError("usage", f"destination {text!r} must be USER@HOST (a login name and a host name or IP)")
     return user, host
 
@@ -71,7 +71,7 @@ def lookup_host_keys(known_hosts: str, host: str, port: int) -> list[str]:
         parts = line.split()
         if parts and parts[0].startswith("@"):
             continue  # @cert-authority / @revoked markers are not pins
-        if len(parts) >= 3 and _KEY_LINE.match(f"{parts[1]} {parts[2]}"):
+        if len(parts) >= 3 and _KEY_LINE.fullmatch(f"{parts[1]} {parts[2]}"):
             keys.append(f"{parts[1]} {parts[2]}")
     if not keys:
         raise OnboardError(
@@ -95,7 +95,7 @@ class SshTarget:
 
     def write_known_hosts(self) -> None:
         for key in self.host_keys:
-            if not _KEY_LINE.match(key):
+            if not _KEY_LINE.fullmatch(key):
                 raise OnboardError("host_key", f"pinned host key {key[:40]!r}... is not an OpenSSH public key line")
         body = "".join(f"{self.alias} {k}\n" for k in self.host_keys)
         atomic_write(self.known_hosts_file, body.encode(), mode=0o600)

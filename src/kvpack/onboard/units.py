@@ -34,7 +34,7 @@ LOG_TAIL = 3000
 
 
 def _paths(d: str, unit: str) -> tuple[str, str, str]:
-    if not UNIT_RE.match(unit or ""):
+    if not UNIT_RE.fullmatch(unit or ""):
         raise OnboardError("usage", f"unit name {unit!r} is not valid")
     run = os.path.join(d, "run")
     return run, os.path.join(run, f"{unit}.json"), os.path.join(run, f"{unit}.log")
@@ -66,7 +66,7 @@ def build_argv(
 
     if role not in ("producer", "receiver"):
         raise OnboardError("usage", f"role must be producer or receiver, got {role!r}")
-    if not CONFIG_RE.match(config or "") or (role == "producer") != (config == "producer.json"):
+    if not CONFIG_RE.fullmatch(config or "") or (role == "producer") != (config == "producer.json"):
         raise OnboardError("usage", f"config {config!r} does not fit role {role}")
     from ..engine.registry import parse_spec
     from ..errors import EngineError
@@ -81,7 +81,7 @@ def build_argv(
     if no_store:
         argv.append("--no-store")
     if receipts:
-        if not UNIT_RE.match(receipts):
+        if not UNIT_RE.fullmatch(receipts):
             raise OnboardError("usage", "receipts must name a subdirectory of run/")
         argv += ["--receipts", os.path.join(d, "run", receipts, "receipts")]
     if role == "receiver":
@@ -137,7 +137,7 @@ def list_units(d: str) -> dict[str, bool]:
     out = {}
     if os.path.isdir(run):
         for name in sorted(os.listdir(run)):
-            if name.endswith(".json") and UNIT_RE.match(name[:-5]):
+            if name.endswith(".json") and UNIT_RE.fullmatch(name[:-5]):
                 out[name[:-5]] = running(_load(os.path.join(run, name)))
     return out
 

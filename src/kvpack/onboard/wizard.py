@@ -103,7 +103,7 @@ class Wizard:
     """One ``kvpack node add`` run for one node."""
 
     def __init__(self, opts: AddOptions, *, progress: Callable[[str], None] | None = None) -> None:
-        if not NAME_RE.match(opts.name or ""):
+        if not NAME_RE.fullmatch(opts.name or ""):
             raise OnboardError("usage", f"node name {opts.name!r} must be 1..60 of [a-z0-9-], starting and ending alphanumeric")
         if opts.role not in COUNTERPART:
             raise OnboardError("usage", f"role must be producer or receiver, got {opts.role!r}")
@@ -599,7 +599,7 @@ def node_summaries(cluster_root: str) -> list[dict[str, Any]]:
     names = set(cluster.registry["nodes"])
     base = os.path.join(cluster.root, "onboard")
     if os.path.isdir(base):
-        names |= {n for n in os.listdir(base) if NAME_RE.match(n) and os.path.exists(S.record_path(cluster.root, n))}
+        names |= {n for n in os.listdir(base) if NAME_RE.fullmatch(n) and os.path.exists(S.record_path(cluster.root, n))}
     rows = []
     for name in sorted(names):
         entry = cluster.registry["nodes"].get(name)

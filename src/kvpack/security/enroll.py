@@ -330,7 +330,7 @@ class Cluster:
     ) -> dict[str, Any]:
         with _EnrollLock(self.root):
             nodes = self.registry["nodes"]
-            if not NAME_RE.match(name or ""):
+            if not NAME_RE.fullmatch(name or ""):
                 raise SecurityError("enrollment", f"node name {name!r} must be 1..60 of [a-z0-9-], starting and ending alphanumeric (it is a DNS SAN)")
             if rotate:
                 if name not in nodes:

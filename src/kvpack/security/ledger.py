@@ -403,7 +403,7 @@ def _remove_stale_temps(directory: str, name: str) -> None:
     except OSError:
         return
     for entry in entries:
-        match = _STALE_TEMP.match(entry)
+        match = _STALE_TEMP.fullmatch(entry)
         if match and match.group("name") in ours:
             try:
                 os.unlink(os.path.join(directory, entry))
