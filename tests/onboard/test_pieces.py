@@ -356,7 +356,7 @@ IDENT = {
 }
 
 
-def test_offline_enrollment_never_writes_for_remote_nodes(tmp_path):
+def test_offline_enrollment_never_writes_for_remote_nodes(tmp_path, capsys):
     cluster = E.Cluster.init(str(tmp_path / "c"), identity=IDENT)
     cluster.enroll_node("rx-local", "receiver")
     pair = {"producer": "px-remote", "receiver": "rx-local", "key_id": "px-remote-to-rx-local", "epoch": 1}
@@ -367,7 +367,11 @@ def test_offline_enrollment_never_writes_for_remote_nodes(tmp_path):
     assert not (tmp_path / "c" / "nodes" / "px-remote").exists()
     cfg = json.loads((tmp_path / "c" / "nodes" / "rx-local" / "receiver.px-remote.json").read_text())
     assert cfg["peer_leaf_sha256"] == [cluster.registry["nodes"]["px-remote"]["leaf_sha256"]]
-    cluster.enroll_node("rx-two", "receiver")  # offline: pairs offline producers only
+    from kvpack.cli import main as kvpack_main
+
+    assert kvpack_main(["enroll", "node", str(tmp_path / "c"), "rx-two", "--role", "receiver"]) == 0  # offline: pairs offline producers only
+    assert "not paired with SSH-onboarded ['px-remote']" in capsys.readouterr().out
+    cluster = E.Cluster.open(str(tmp_path / "c"))
     assert not any("rx-two" in p["key_id"] for p in cluster.registry["pairs"])
     assert not (tmp_path / "c" / "nodes" / "px-remote").exists()
     for name in ("px-remote", "rx-local"):

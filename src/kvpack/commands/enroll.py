@@ -79,6 +79,15 @@ def _node(args: argparse.Namespace) -> int:
     print(f"{verb} {entry['role']} {args.name}: leaf sha256 {entry['leaf_sha256']}, expires {entry['not_after']}")
     for pair in pairs:
         print(f"  pair {pair['key_id']}: epoch {pair['epoch']}")
+    from ..security.enroll import COUNTERPART, is_remote
+
+    unpaired = sorted(
+        n
+        for n, e in cluster.registry["nodes"].items()
+        if e["role"] == COUNTERPART.get(entry["role"]) and is_remote(e) and not any(n in (p["producer"], p["receiver"]) for p in pairs)
+    )
+    if unpaired:
+        print(f"  not paired with SSH-onboarded {unpaired}: offline enrollment cannot reach them (docs/operations.md §1b)")
     return 0
 
 
