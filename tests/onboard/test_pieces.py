@@ -391,24 +391,36 @@ def test_offline_enrollment_never_writes_for_remote_nodes(tmp_path, capsys):
 _VALID_CSR = _csr()
 
 
-@settings(max_examples=300, deadline=None)
+def _armoured_der_mutation(flips: list[tuple[int, int]]) -> bytes:
+    """The valid request's DER with bytes flipped, armoured again (a PEM-level flip mostly
+    breaks the base64; the DER is where a parser can be surprised)."""
+    import base64
+
+    from cryptography import x509
+
+    der = bytearray(x509.load_pem_x509_csr(_VALID_CSR).public_bytes(_der()))
+    for pos, bits in flips:
+        der[pos % len(der)] ^= bits
+    return b"-----BEGIN CERTIFICATE REQUEST-----\n" + base64.encodebytes(bytes(der)) + b"-----END CERTIFICATE REQUEST-----\n"
+
+
+@settings(max_examples=400, deadline=None)
 @given(
     st.one_of(
         st.binary(max_size=2048),
-        st.tuples(st.integers(0, len(_VALID_CSR) - 1), st.integers(1, 255)).map(
-            lambda t: bytes(_VALID_CSR[: t[0]]) + bytes([_VALID_CSR[t[0]] ^ t[1]]) + _VALID_CSR[t[0] + 1 :]
-        ),
+        st.lists(st.tuples(st.integers(0, 10_000), st.integers(1, 255)), min_size=1, max_size=3).map(_armoured_der_mutation),
     )
 )
 def test_csr_check_refuses_any_damaged_request_with_its_own_error(data):
+    """It found three untyped escapes (an unknown curve at public_key(), a bad version at load, an
+    unknown string tag in the subject: KeyError); 60,000 random DER mutations run clean now."""
     try:
         E.check_node_csr(data, "node-a", SANS)
     except SecurityError:
         return
-    # a byte flip inside the PEM armour or base64 padding can leave the DER intact: then the
-    # request must still be exactly the valid one
     from cryptography import x509
 
+    # accepted: then it must be the valid request itself (a flip in an unused bit, say)
     assert x509.load_pem_x509_csr(data).public_bytes(_der()) == x509.load_pem_x509_csr(_VALID_CSR).public_bytes(_der())
 
 

@@ -686,31 +686,31 @@ def check_node_csr(csr_pem: bytes, name: str, sans: Iterable[str]) -> None:
 
     if not isinstance(csr_pem, bytes) or len(csr_pem) > 16384 or b"-----BEGIN CERTIFICATE REQUEST-----" not in csr_pem:
         raise SecurityError("enrollment", "CSR must be one PEM certificate request (at most 16 KiB)")
-    try:
-        csr = x509.load_pem_x509_csr(csr_pem)
-    except ValueError as exc:
-        raise SecurityError("enrollment", f"CSR does not parse: {exc}") from None
     from cryptography.exceptions import UnsupportedAlgorithm
 
+    # cryptography parses lazily: a damaged request can surface at load (bad version: not a
+    # ValueError), at the key (unknown curve, bad point), at the signature or at the subject
+    unparsable = (ValueError, TypeError, KeyError, UnsupportedAlgorithm, x509.InvalidVersion)
     try:
-        # a damaged key encoding surfaces only here (unknown curve, bad point): a refusal too
+        csr = x509.load_pem_x509_csr(csr_pem)
         key = csr.public_key()
         valid = csr.is_signature_valid
-    except (ValueError, TypeError, UnsupportedAlgorithm) as exc:
-        raise SecurityError("enrollment", f"CSR key or signature does not parse: {exc}") from None
+        subject = csr.subject
+    except unparsable as exc:
+        raise SecurityError("enrollment", f"CSR does not parse: {type(exc).__name__}: {exc}") from None
     if not valid:
         raise SecurityError("enrollment", "CSR signature is invalid: its holder does not own the key")
     if not isinstance(key, ec.EllipticCurvePublicKey) or key.curve.name != "secp256r1":
         raise SecurityError("enrollment", f"CSR key must be ECDSA P-256, got {type(key).__name__} {getattr(getattr(key, 'curve', None), 'name', '')}".rstrip())
     want_subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
-    if csr.subject != want_subject:
-        raise SecurityError("enrollment", f"CSR subject must be exactly CN={name}, got {csr.subject.rfc4514_string()}")
+    if subject != want_subject:
+        raise SecurityError("enrollment", f"CSR subject must be exactly CN={name}, got {subject.rfc4514_string()}")
     try:
         extensions = csr.extensions
         requested = extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     except x509.ExtensionNotFound:
         raise SecurityError("enrollment", "CSR requests no subjectAltName") from None
-    except ValueError as exc:  # duplicate or malformed extensions
+    except unparsable as exc:  # duplicate or malformed extensions
         raise SecurityError("enrollment", f"CSR extensions do not parse: {exc}") from None
     got = {str(v) for v in requested.get_values_for_type(x509.DNSName)} | {str(v) for v in requested.get_values_for_type(x509.IPAddress)}
     want = {str(ipaddress.ip_address(n)) if _is_ip(n) else n for n in sans}
