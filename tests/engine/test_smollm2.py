@@ -43,7 +43,14 @@ def test_smollm2_layout_and_precision(smollm2_engine):
     assert ident.weight_precision.startswith("gguf:MOSTLY_Q4_1(") and ident.weight_precision.endswith("->float32")
     assert ident.scalars["config.rms_norm_eps"] == pytest.approx(1e-5)
     assert ident.scalars["config.rope_parameters.rope_theta"] == 100000.0
-    assert ident.engine_abi["threads"] == torch.get_num_threads()
+    assert ident.engine_abi["threads"] == smollm2_engine.threads
+    # The count is process-wide: another engine loaded in this process (the suite loads several)
+    # may have changed it. A session computes under the count its identity records.
+    others = 1 if smollm2_engine.threads != 1 else 2
+    torch.set_num_threads(others)
+    session = smollm2_engine.new_session()
+    session.prefill([1, 2, 3])
+    assert torch.get_num_threads() == smollm2_engine.threads
 
 
 def test_smollm2_export_install_decode_32_is_bit_identical(smollm2_engine):
