@@ -189,7 +189,10 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException as exc:  # noqa: BLE001 - the contract: every failure is one line
         if debug and not isinstance(exc, BrokenPipeError):
             traceback.print_exc(file=sys.stderr)
-        outcome = cli_errors.classify(exc, command=command)
+        try:
+            outcome = cli_errors.classify(exc, command=command)
+        except Exception:  # noqa: BLE001 - the mapping itself must never end in a traceback
+            outcome = cli_errors.Outcome("internal", f"{type(exc).__name__} (run again with --debug for the traceback)", cli_errors.INTERNAL)
         _report(outcome)
         return outcome.code
     finally:

@@ -249,7 +249,7 @@ def classify(exc: BaseException, *, command: str | None = None) -> Outcome:
     if isinstance(exc, ImportError) and exc.name:
         return Outcome("missing_extra", missing_extra_message(exc.name, command), MISSING_EXTRA)
     if isinstance(exc, ssl.SSLError):
-        return Outcome("tls", f"{exc.reason or exc}", FAILED)
+        return Outcome("tls", f"{getattr(exc, 'reason', None) or exc}", FAILED)
     if isinstance(exc, OSError):
         return _os_outcome(exc)
     out = _httpx_outcome(exc)
