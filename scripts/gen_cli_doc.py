@@ -28,10 +28,13 @@ and exits with one of the codes below. The category is the typed refusal's categ
 `missing_extra`, ...); the message names the file, address or id concerned. No command
 prints a Python traceback unless it is given `--debug` (then the traceback comes first and
 the line last). Argument values are checked when the command line is parsed (ranges, ports,
-durations, days >= 1, existing files, socket path length), so a bad value costs nothing.
+durations, days >= 1, existing files, socket path length), so a bad value costs nothing;
+so are options another option would make the command ignore (`--no-store --store DIR`,
+`--no-metrics --metrics-port N`, `request --tokens-file F --raw`, `transcode --out F --hex`).
 Results go to stdout; with `--json` a command that produces a result prints it as one JSON
-document. A report that finds problems (`kvpack store verify`) prints the report on stdout
-and then the one error line.
+document. A report that finds problems (`kvpack store verify`, `kvpack ledger show`,
+`kvpack probe-volume`, `kvpack verdict`) prints the report on stdout and then the one error
+line; every other failure leaves stdout empty.
 
 | exit | meaning | when |
 | --- | --- | --- |

@@ -28,6 +28,8 @@ from kvpack.cli import main
 
 ENGINE = "arrays:4:2:8"
 API_KEY = "kvpack-cli-test-key-0123456789abcdef"
+#: commands whose failure prints their report on stdout before the error line (docs/cli.md)
+REPORT_COMMANDS = ("verdict", "probe-volume", "ledger show", "store verify")
 LINE = re.compile(r"^kvpack: ([a-z][a-z0-9_]*): (\S.*)$")
 
 
@@ -73,6 +75,9 @@ def check_contract(r: Result, code: int, category: str | None = None, *, context
     for other in r.err.strip().splitlines()[:-1]:
         json.loads(other)  # anything else on stderr is a structured log line
     assert r.category != "internal", where
+    # the error goes to stderr only; stdout holds a report only for the report commands
+    assert "kvpack: " not in r.out, where
+    assert not r.out.strip() or any(c in context for c in REPORT_COMMANDS), f"a failure printed on stdout: {where}"
     if category is not None:
         assert r.category == category, f"category {r.category}, expected {category}; {where}"
 

@@ -402,6 +402,15 @@ RUNTIME_CASES = [
     _c("request tokens on stdin", ["request", "--socket", "{stale_sock}", "--tokens-file", "-"], 2, "file", stdin="[1, 2"),
     _c("request socket over 107 bytes", ["request", "--socket", "{long_sock}", "--prompt", "hi"], 2, "usage", issue=True),
     _c("request --max-new-tokens -1", ["request", "--socket", "{stale_sock}", "--prompt", "hi", "--max-new-tokens", "-1"], 2, "usage", issue=True),
+    # options another option would make the command ignore
+    _c("receiver --no-store with --store", ["receiver", "--config", "{rcfg}", "--engine", ENGINE, "--no-store", "--store", "{root}/st-ignored"], 2, "usage"),
+    _c("producer --no-metrics with --metrics-port", ["producer", "--config", "{pcfg}", "--engine", ENGINE, "--no-metrics", "--metrics-port", "0"], 2, "usage"),
+    _c("receiver --no-metrics with --metrics-tls", ["receiver", "--config", "{rcfg}", "--engine", ENGINE, "--no-metrics", "--metrics-tls"], 2, "usage"),
+    _c("receiver --no-metrics with --cluster-dir", ["receiver", "--config", "{rcfg}", "--no-metrics", "--cluster-dir", "{cluster}"], 2, "usage"),
+    _c("request --raw with --tokens-file", ["request", "--socket", "{stale_sock}", "--tokens-file", "{tokens}", "--raw"], 2, "usage"),
+    _c(
+        "transcode --hex with --out", ["transcode", "manifest", "{objects}/fixture/raw/plain/plain/manifest", "--out", "{root}/tx-ignored", "--hex"], 2, "usage"
+    ),
     # daemon configs
     _c("receiver text config", ["receiver", "--config", "{file}", "--engine", ENGINE], 2, "config"),
     _c("receiver malformed config", ["receiver", "--config", "{bad_json}", "--engine", ENGINE], 2, "config"),
@@ -651,6 +660,21 @@ def test_daemon_port_in_use_as_a_real_process(world):
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert lines[-1].startswith("kvpack: address_in_use: ") and f"127.0.0.1:{port}" in lines[-1]
+
+
+@special()
+def test_ignored_options_are_refused_before_anything_is_written(world):
+    """--no-store --store DIR, transcode --out F --hex: usage errors; DIR and F never appear."""
+    manifest = f"{world.objects}/fixture/raw/plain/plain/manifest"
+    store, out = f"{world.root}/st-never", f"{world.root}/tx-never"
+    cases = [
+        (["receiver", "--config", world.rcfg, "--engine", ENGINE, "--no-store", "--store", store, "--socket", f"{world.root}/ig.sock"], store),
+        (["producer", "--config", world.pcfg, "--engine", ENGINE, "--no-store", "--store", store], store),
+        (["transcode", "manifest", manifest, "--out", out, "--hex"], out),
+    ]
+    for argv, path in cases:
+        check_contract(run_cli(argv), 2, "usage", context=" ".join(argv))
+        assert not os.path.exists(path), argv
 
 
 @special()

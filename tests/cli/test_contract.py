@@ -104,3 +104,17 @@ def test_help_shows_defaults():
     assert "(default: 127.0.0.1:0)" in r.out and "(default: 2)" not in r.out.split("--threads")[0]
     r = run_cli(["probe-volume", "--help"])
     assert "(default: 20)" in r.out and "(default: 100.0)" in r.out
+
+
+def test_transcode_json_is_a_summary_with_the_bytes(tmp_path):
+    from kvpack.format.fixtures import reference_fixture
+    from kvpack.vocab import sha256_hex
+
+    manifest = dict(reference_fixture("raw", "plain", "plain"))["manifest"]
+    (tmp_path / "manifest").write_bytes(manifest)
+    r = run_cli(["--json", "transcode", "manifest", str(tmp_path / "manifest")])
+    check_contract(r, 0)
+    assert json.loads(r.out) == {"kind": "manifest", "bytes": len(manifest), "sha256": sha256_hex(manifest), "hex": manifest.hex()}
+    r = run_cli(["transcode", "manifest", str(tmp_path / "manifest"), "--out", str(tmp_path / "out"), "--json"])
+    check_contract(r, 0)
+    assert json.loads(r.out)["out"] == str(tmp_path / "out") and (tmp_path / "out").read_bytes() == manifest

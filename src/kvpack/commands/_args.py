@@ -130,6 +130,14 @@ def unix_socket_path(text: str) -> str:
     return text
 
 
+def refuse_ignored(given: list[tuple[str, bool]], *, because: str) -> None:
+    """Options that ``because`` (another option given) would make the command ignore are a
+    usage error: ``--no-store --store X`` must not run without the store the operator named."""
+    ignored = [name for name, present in given if present]
+    if ignored:
+        raise UsageError("usage", f"{', '.join(ignored)} {'has' if len(ignored) == 1 else 'have'} no effect with {because}: drop one")
+
+
 def check_unix_socket_path(path: str) -> None:
     """Refuse a path the kernel cannot bind or connect to (longer than 107 bytes)."""
     problem = _unix_path_problem(path)

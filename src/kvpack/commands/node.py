@@ -15,7 +15,9 @@ import sys
 import threading
 
 from ._args import check_unix_socket_path, existing_file, max_new_tokens, not_a_file, port, port_or_zero, positive_float, socket_address, threads
-from ._args import duration, engine_spec, unix_socket_path
+from ._args import duration, engine_spec, refuse_ignored, unix_socket_path
+
+METRICS_LISTEN_DEFAULT = "127.0.0.1:0"
 
 
 def _store(path: str | None, default: str):
@@ -47,10 +49,24 @@ def _engine(args):
         return load_engine(args.engine, threads=args.threads)
 
 
+def _refuse_ignored_daemon_flags(args: argparse.Namespace) -> None:
+    if args.no_store:
+        refuse_ignored([("--store", args.store is not None)], because="--no-store")
+    if args.no_metrics:
+        metrics = [
+            ("--metrics-listen", args.metrics_listen != METRICS_LISTEN_DEFAULT),
+            ("--metrics-port", args.metrics_port is not None),
+            ("--metrics-tls", args.metrics_tls),
+            ("--cluster-dir", args.cluster_dir is not None),  # shown on the status page only
+        ]
+        refuse_ignored(metrics, because="--no-metrics")
+
+
 def cmd_receiver(args: argparse.Namespace) -> int:
     from ..node.receiver import ReceiverNode
     from ..security.config import load_receiver_config
 
+    _refuse_ignored_daemon_flags(args)
     cfg = load_receiver_config(args.config)
     if args.listen:
         # e.g. a qualification receiver on port 0 next to the node's serving daemon
@@ -103,6 +119,7 @@ def cmd_producer(args: argparse.Namespace) -> int:
     from ..node.producer import ProducerNode
     from ..security.config import load_producer_config
 
+    _refuse_ignored_daemon_flags(args)
     cfg = load_producer_config(args.config)
     base = os.path.dirname(cfg.path)
     metrics_host, metrics_tls = _metrics_listener(args, cfg.control_endpoint())
@@ -180,6 +197,8 @@ def cmd_request(args: argparse.Namespace) -> int:
     from ..node.receiver import request_local
     from ._args import read_token_ids
 
+    if args.tokens_file:
+        refuse_ignored([("--raw", args.raw)], because="--tokens-file (token ids are used verbatim)")
     payload: dict = {"max_new_tokens": args.max_new_tokens, "save": args.save, "chat": not args.raw}
     if args.ignore_eos:
         payload["stop_at_eos"] = False
@@ -233,7 +252,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--metrics-listen",
         type=socket_address(),
-        default="127.0.0.1:0",
+        default=METRICS_LISTEN_DEFAULT,
         help="observability listener (/metrics, /healthz, /readyz, /status) ip:port; port 0 picks a free one; non-loopback needs --metrics-tls",
     )
     p.add_argument("--metrics-port", type=port_or_zero, help="shorthand: the port of --metrics-listen")

@@ -227,7 +227,7 @@ def _register_transcode_and_verdict(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--context", help=context_help)
     p.add_argument("--root-key-file", type=existing_file, help="the root key (instead of the context's root; 0600)")
     p.add_argument("--out", help="write the canonical bytes here (default: standard output)")
-    p.add_argument("--hex", action="store_true", help="print the canonical bytes as one hex line")
+    p.add_argument("--hex", action="store_true", help="print the canonical bytes as one hex line (not with --out; --json prints kind, size, sha256 and hex)")
     p.set_defaults(func=cmd_transcode)
 
     p = sub.add_parser(
@@ -290,6 +290,10 @@ def cmd_transcode(args) -> int:
     from ..errors import UsageError
     from ..format.verdict import ContextError, canonical_bytes
 
+    from ._args import refuse_ignored
+
+    if args.out:
+        refuse_ignored([("--hex", args.hex)], because="--out (the bytes go to the file)")
     ctx = _context(args)
     data = _read_bounded(args.file, args.kind)
     try:
@@ -298,6 +302,14 @@ def cmd_transcode(args) -> int:
         raise UsageError("usage", f"--context: {exc}") from None
     if args.out:
         atomic_write(args.out, out, mode=0o644)
+    if args.json:  # a summary; the bytes themselves as hex unless they went to --out
+        from ..vocab import sha256_hex
+
+        summary = {"kind": args.kind, "bytes": len(out), "sha256": sha256_hex(out)}
+        summary.update({"out": args.out} if args.out else {"hex": out.hex()})
+        print(json.dumps(summary, sort_keys=True))
+    elif args.out:
+        pass
     elif args.hex:
         print(out.hex())
     else:
