@@ -72,6 +72,30 @@ def prefill_with_checkpoints(session, tokens: list[int], checkpoints: dict[int, 
         session.prefill(tokens, on_chunk=capture)
 
 
+#: tokens per decode_greedy call while a progress bar is shown (each call forwards every token)
+DECODE_STEP = 4
+
+
+def decode_with_progress(session, max_new_tokens: int, stop_token_ids: list[int]) -> list[int]:
+    """Greedy decode, with a token-count bar on a terminal. Off a terminal it is one
+    ``decode_greedy`` call; on one, calls of DECODE_STEP tokens, which decode the same tokens
+    (each call forwards every token it emits and continues from the logits it left)."""
+    from .progress import bar, interactive
+
+    if not interactive():
+        return session.decode_greedy(max_new_tokens, stop_token_ids=stop_token_ids)[0]
+    stops = set(stop_token_ids)
+    tokens: list[int] = []
+    with bar("decode", max_new_tokens) as advance:
+        while len(tokens) < max_new_tokens:
+            step, _rows = session.decode_greedy(min(DECODE_STEP, max_new_tokens - len(tokens)), stop_token_ids=stop_token_ids)
+            tokens += step
+            advance(len(step))
+            if not step or step[-1] in stops:
+                break
+    return tokens
+
+
 def generate(engine, store: PackStore | None, prompt_tokens: list[int], *, max_new_tokens: int = 32, save: bool = True) -> GenerateResult:
     from .progress import status
 
@@ -107,8 +131,7 @@ def generate(engine, store: PackStore | None, prompt_tokens: list[int], *, max_n
         save_s += time.perf_counter() - t_save
     eos = getattr(engine.tokenizer, "eos_token_id", None) if engine.tokenizer is not None else None
     t_decode = time.perf_counter()
-    with status(f"decoding up to {max_new_tokens} tokens ..."):
-        new_tokens, _logits = session.decode_greedy(max_new_tokens, stop_token_ids=[eos] if eos is not None else ())
+    new_tokens = decode_with_progress(session, max_new_tokens, [eos] if eos is not None else [])
     decode_s = time.perf_counter() - t_decode
     saved: list[int] = []
     manifest_id = None
