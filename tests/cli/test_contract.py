@@ -118,3 +118,11 @@ def test_transcode_json_is_a_summary_with_the_bytes(tmp_path):
     r = run_cli(["transcode", "manifest", str(tmp_path / "manifest"), "--out", str(tmp_path / "out"), "--json"])
     check_contract(r, 0)
     assert json.loads(r.out)["out"] == str(tmp_path / "out") and (tmp_path / "out").read_bytes() == manifest
+
+
+def test_enroll_help_states_the_real_default_addresses():
+    from kvpack.security.enroll import DEFAULT_CONTROL_LISTEN, DEFAULT_RECEIVER_LISTEN
+
+    r = run_cli(["enroll", "node", "--help"])
+    text = " ".join(r.out.split())
+    assert f"default: {DEFAULT_RECEIVER_LISTEN}" in text and f"default: {DEFAULT_CONTROL_LISTEN}" in text

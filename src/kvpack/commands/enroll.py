@@ -33,9 +33,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     node.add_argument("name", help="node name (its directory under DIR/nodes/ and its certificate subject)")
     node.add_argument("--role", choices=("receiver", "producer", "storage"), help="what the node runs (required for a new node)")
     node.add_argument("--rotate", action="store_true", help="new key and certificate; bump the HMAC epoch of its pairs")
-    node.add_argument("--listen", type=socket_address(), help="receiver Handoff V2 listen address (ip:port)")
-    node.add_argument("--control-listen", type=socket_address(allow_port_zero=False), help="producer control listen address (ip:port)")
-    node.add_argument("--identity", type=existing_file, help="model identity JSON this receiver admits")
+    node.add_argument("--listen", type=socket_address(), help="receiver Handoff V2 listen address (ip:port; default: 127.0.0.1:29590)")
+    node.add_argument(
+        "--control-listen", type=socket_address(allow_port_zero=False), help="producer control listen address (ip:port; default: 127.0.0.1:29591)"
+    )
+    node.add_argument("--identity", type=existing_file, help="model identity JSON this receiver admits (default: the one given to enroll init)")
     node.add_argument("--san", action="append", default=[], help="extra subjectAltName (e.g. muser-prefilld for the genuine producer)")
     node.add_argument("--days", type=days, default=365, help="leaf validity in days (>= 1)")
     node.set_defaults(func=_node)

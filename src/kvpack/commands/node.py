@@ -255,7 +255,7 @@ def _common(p: argparse.ArgumentParser) -> None:
         default=METRICS_LISTEN_DEFAULT,
         help="observability listener (/metrics, /healthz, /readyz, /status) ip:port; port 0 picks a free one; non-loopback needs --metrics-tls",
     )
-    p.add_argument("--metrics-port", type=port_or_zero, help="shorthand: the port of --metrics-listen")
+    p.add_argument("--metrics-port", type=port_or_zero, help="shorthand: the port of --metrics-listen (default: that address's port)")
     p.add_argument(
         "--metrics-tls", action="store_true", help="serve the observability listener over mutual TLS (node certificate; clients need a cluster-CA certificate)"
     )
@@ -268,18 +268,22 @@ def register(sub) -> None:
     p = sub.add_parser("receiver", help="run the decode node (Handoff V2 receiver) daemon")
     _common(p)
     p.add_argument("--socket", type=unix_socket_path, help="local API Unix socket (default: <config dir>/state/receiver.sock)")
-    p.add_argument("--advertise-port", type=port, help="data port to advertise in requests (NAT, proxies)")
+    p.add_argument("--advertise-port", type=port, help="data port to advertise in requests (NAT, proxies; default: the bound data port)")
     p.add_argument(
         "--ledger-max-tail-ms",
         type=positive_float,
         help="refuse to start when the worst of 20 ledger reservations on the ledger's volume exceeds this (default: 100)",
     )
-    p.add_argument("--listen", type=socket_address(), help="override the config's listen address (ip:port; port 0 picks a free one and advertises it)")
+    p.add_argument(
+        "--listen",
+        type=socket_address(),
+        help="override the config's listen address (ip:port; port 0 picks a free one and advertises it; default: the config's)",
+    )
     p.set_defaults(func=cmd_receiver, extras=("node",))
 
     p = sub.add_parser("producer", help="run the prefill node (Handoff V2 producer) daemon")
     _common(p)
-    p.add_argument("--pacing-bytes-per-s", type=positive_float, help="pace data writes (upstream paces at 1e9 B/s)")
+    p.add_argument("--pacing-bytes-per-s", type=positive_float, help="pace data writes (upstream paces at 1e9 B/s; default: unpaced)")
     p.set_defaults(func=cmd_producer, extras=("node",))
 
     p = sub.add_parser("request", help="ask a running decode node to complete a prompt")

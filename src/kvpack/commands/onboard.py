@@ -57,7 +57,9 @@ def _register_node(subparsers: argparse._SubParsersAction) -> None:
     add.add_argument("--peer", help="the enrolled node to qualify against (default: the only one of the other role)")
     add.add_argument("--san", action="append", default=[], help="extra subjectAltName for the node's certificate")
     add.add_argument("--days", type=days, default=365, help="leaf validity in days")
-    add.add_argument("--min-payload-gbps", type=nonneg_float, help="override the recipe's payload-rate floor (median of three, receiver clock)")
+    add.add_argument(
+        "--min-payload-gbps", type=nonneg_float, help="override the recipe's payload-rate floor (median of three, receiver clock; default: the recipe's)"
+    )
     add.add_argument("--probe-max-tail-ms", type=positive_float, default=100.0, help="ledger-volume probe limit on the node")
     add.add_argument("--remote-kvpack", default="kvpack", help="how to run kvpack on the node (e.g. 'python3 -m kvpack.cli')")
     add.add_argument("--json", action="store_true", help="print the final state record as JSON")
@@ -125,7 +127,7 @@ def _register_node_local(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--receipts", help="start: keep receipts in run/<NAME>/receipts")
     p.add_argument("--restart", action="store_true", help="start: restart a running unit")
     p.add_argument("--if-running", action="store_true", help="start: only (re)start a unit that is running now")
-    p.add_argument("--ledger-max-tail-ms", type=positive_float, help="start (receiver): the daemon's ledger-volume gate")
+    p.add_argument("--ledger-max-tail-ms", type=positive_float, help="start (receiver): the daemon's ledger-volume gate (default: the daemon's, 100)")
     p.add_argument("--timeout", type=positive_float, default=1800.0, help="start: seconds to wait for the ready line")
 
 
