@@ -114,10 +114,16 @@ class ReceiverConfig:
     layout: Optional[SpanLayout] = MUSE
     expectations: Optional[AdmissionExpectations] = None
     limits: FrameLimits = FrameLimits()
+    #: This transfer is stripe ``(index, count)`` of a striped handoff (a kvpack extension,
+    #: negotiated on the control plane): its target segments are the schedule's
+    #: ``[index::count]``, in order, deferred mode only. None: the whole schedule.
+    stripe: Optional[tuple[int, int]] = None
 
     def __post_init__(self) -> None:
         if len(self.key) != 32:
             raise ValueError("Handoff V2 seal keys are 32 bytes")
+        if self.stripe is not None and not 0 <= self.stripe[0] < self.stripe[1] <= 64:
+            raise ValueError("stripe must be (index, count) with 0 <= index < count <= 64")
 
 
 # Effects the driver acts on (h11 style events going out).
@@ -388,9 +394,13 @@ class Receiver:
         validate_begin(m, now_unix_ms=self.now_unix_ms, expected_key_id=cfg.key_id, minimum_epoch=cfg.minimum_epoch)
         if cfg.expectations is not None:
             check_admission(m, cfg.expectations)
+        if cfg.stripe is not None and not m.deferred_segments:
+            raise ProtocolError("manifest", "a stripe of a striped transfer must use deferred segments")
         validate_prefix_cut(m, frame.prefix_cut, self.held_token_ids, cfg.layout)
         if cfg.layout is not None and m.component(cfg.layout.component_id) is not None:
             expected = schedule_span(cfg.layout, m.position, frame.prefix_cut)
+            if cfg.stripe is not None:
+                expected = expected[cfg.stripe[0] :: cfg.stripe[1]]
             self._witness = ScheduleWitness(expected, cfg.layout.component_id)
             if not m.deferred_segments:
                 check_declared_schedule(m, cfg.layout, frame.prefix_cut)

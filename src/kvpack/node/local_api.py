@@ -1,0 +1,396 @@
+"""The decode node's local API: one JSON request line in, one JSON reply line out, over a Unix
+socket (filesystem permissions, never the network) -- what ``kvpack request`` talks to.
+
+Why it exists as its own module: the API is a door into the engine, and a door needs a frame.
+
+* **Own the socket.** :class:`ApiSocket` takes an exclusive ``flock`` on ``<path>.lock``
+  before it touches ``<path>``; a socket file whose lock is held, or that still accepts
+  connections (a live process of an older release), is never taken over (``locked``). Only
+  a stale socket (nothing listening, lock free) is replaced, and on shutdown the node removes
+  the socket only if it is still the one it bound (same inode).
+* **Bounded requests.** A request line is read into one buffer, newline searched only in the
+  new bytes (linear, never the quadratic ``data += chunk``), refused past
+  ``max_request_bytes`` or ``request_read_s``; ``max_new_tokens`` and the prompt length are
+  capped (:class:`ApiLimits`); at most ``max_clients`` requests at once. Every refusal is a
+  one-line reply ``{"ok": false, "error": {"reason", "detail"}}``.
+* **Cancellation.** While a request is served, one watcher thread polls every in-flight
+  client socket; a client that hangs up (Ctrl-C on ``kvpack request``) cancels its
+  :class:`CancelToken`, which the node checks between decode steps, while waiting for a
+  decode slot and while a transfer is in flight, so the slot is free within a second.
+
+What it must never do: read an unbounded request, keep serving a request whose client left,
+or unlink a socket another process serves.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import logging
+import os
+import selectors
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from .. import strictjson
+from ..errors import KvpackError, ProtocolError, SecurityError, UsageError
+from .common import verdict_of
+from .transport import socket_owner_alive
+
+log = logging.getLogger("kvpack.node.local_api")
+
+#: a Unix socket path the kernel accepts (sun_path is 108 bytes with its NUL)
+MAX_SOCKET_PATH = 107
+
+
+@dataclass(frozen=True)
+class ApiLimits:
+    """Caps of the local API (docs/operations.md, "Limits and deadlines")."""
+
+    max_request_bytes: int = 8 << 20  # a 131,072-token prompt as JSON is ~1.5 MiB
+    max_new_tokens: int = 4096
+    max_prompt_chars: int = 1 << 20
+    request_read_s: float = 30.0
+    max_clients: int = 64
+
+
+class Cancelled(ProtocolError):
+    """The request's client went away (or the node is stopping): stop its work."""
+
+    def __init__(self, message: str = "the client went away; request cancelled") -> None:
+        super().__init__("aborted", message, remote=False)
+
+
+class CancelToken:
+    """Set once the client of a request hung up; checked by the work it started."""
+
+    __slots__ = ("_event", "reason")
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self.reason = ""
+
+    def cancel(self, reason: str = "the client went away") -> None:
+        self.reason = reason
+        self._event.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._event.is_set()
+
+    def check(self) -> None:
+        if self._event.is_set():
+            raise Cancelled(f"{self.reason}; request cancelled")
+
+    def wait(self, timeout: float) -> bool:
+        return self._event.wait(timeout)
+
+
+#: a token that is never cancelled (library callers of ReceiverNode.generate)
+NEVER = CancelToken()
+
+
+class ApiSocket:
+    """A Unix listening socket owned through ``<path>.lock`` (see the module docstring)."""
+
+    def __init__(self, path: str, backlog: int = 64) -> None:
+        self.path = os.path.abspath(path)
+        if len(os.fsencode(self.path)) > MAX_SOCKET_PATH:
+            raise UsageError("usage", f"local API socket path {self.path!r} is {len(os.fsencode(self.path))} bytes; the limit is {MAX_SOCKET_PATH}")
+        self._lock_fd = self._take_lock()
+        self.sock: Optional[socket.socket] = None
+        try:
+            self._bind(backlog)
+        except BaseException:
+            os.close(self._lock_fd)
+            raise
+
+    def _take_lock(self) -> int:
+        lock_path = self.path + ".lock"
+        try:
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            raise UsageError("file", f"cannot open {lock_path!r}: {exc.strerror}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+            os.close(fd)
+            if exc.errno in (errno.EWOULDBLOCK, errno.EACCES):
+                raise SecurityError("locked", f"local API socket {self.path} is served by another process" + (f" (pid {holder})" if holder else "")) from None
+            raise
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        return fd
+
+    def _bind(self, backlog: int) -> None:
+        if os.path.lexists(self.path):
+            if socket_owner_alive(self.path):
+                raise SecurityError("locked", f"local API socket {self.path} accepts connections: another process serves it (not taken over)")
+            os.unlink(self.path)  # stale: nothing listens and the lock was free
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o177)
+        try:
+            sock.bind(self.path)
+        except OSError as exc:
+            sock.close()
+            raise UsageError("file", f"cannot bind local API socket {self.path}: {exc.strerror}") from None
+        finally:
+            os.umask(old)
+        sock.listen(backlog)
+        self.sock = sock
+        self._inode = os.stat(self.path).st_ino
+
+    def close(self) -> None:
+        if self.sock is not None:
+            try:
+                self.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            self.sock.close()
+            self.sock = None
+            try:
+                if os.stat(self.path).st_ino == self._inode:
+                    os.unlink(self.path)
+            except OSError:
+                pass
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
+
+
+def read_request_line(conn: socket.socket, limits: ApiLimits) -> Optional[bytes]:
+    """One newline-terminated request, within the byte cap and the read deadline; None if the
+    client closed before sending one."""
+    buf = bytearray()
+    end = time.monotonic() + limits.request_read_s
+    chunk = bytearray(1 << 16)
+    while True:
+        left = end - time.monotonic()
+        if left <= 0:
+            raise UsageError("usage", f"request not complete within {limits.request_read_s:g} s")
+        conn.settimeout(left)
+        try:
+            n = conn.recv_into(chunk)
+        except socket.timeout:
+            raise UsageError("usage", f"request not complete within {limits.request_read_s:g} s") from None
+        if n == 0:
+            return None
+        start = len(buf)
+        buf += chunk[:n]
+        nl = buf.find(b"\n", start)
+        if nl >= 0:
+            return bytes(buf[:nl])
+        if len(buf) > limits.max_request_bytes:
+            raise UsageError("usage", f"request line longer than {limits.max_request_bytes} bytes")
+
+
+def _int_field(req: dict, name: str, default: int, lo: int, hi: int) -> int:
+    value = req.get(name, default)
+    if type(value) is not int or not lo <= value <= hi:
+        raise UsageError("usage", f"{name} must be an integer in {lo}..{hi} (this node's limit)")
+    return value
+
+
+def parse_request(data: bytes, limits: ApiLimits, max_prompt_tokens: int) -> dict[str, Any]:
+    """The checked request: ``tokens`` or ``prompt``, ``max_new_tokens`` and the flags."""
+    try:
+        req = strictjson.loads(data)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise UsageError("usage", f"a local API request is one JSON object: {exc}") from None
+    if not isinstance(req, dict):
+        raise UsageError("usage", "a local API request is one JSON object")
+    unknown = set(req) - {"tokens", "prompt", "max_new_tokens", "save", "chat", "stop_at_eos", "session"}
+    if unknown:
+        raise UsageError("usage", f"unknown request fields {sorted(unknown)[:5]}")
+    out: dict[str, Any] = {"max_new_tokens": _int_field(req, "max_new_tokens", 32, 0, limits.max_new_tokens)}
+    for flag, default in (("save", False), ("chat", True), ("stop_at_eos", True)):
+        value = req.get(flag, default)
+        if type(value) is not bool:
+            raise UsageError("usage", f"{flag} must be true or false")
+        out[flag] = value
+    if ("tokens" in req) == ("prompt" in req):
+        raise UsageError("usage", "give exactly one of tokens and prompt")
+    if "tokens" in req:
+        tokens = req["tokens"]
+        if not isinstance(tokens, list) or not all(type(t) is int and 0 <= t < 2**31 for t in tokens):
+            raise UsageError("usage", "tokens must be a JSON list of token ids (integers in 0..2^31-1)")
+        if not 2 <= len(tokens) <= max_prompt_tokens:
+            raise UsageError("usage", f"a prompt of {len(tokens)} tokens is outside 2..{max_prompt_tokens}")
+        out["tokens"] = tokens
+    else:
+        prompt = req["prompt"]
+        if not isinstance(prompt, str) or len(prompt) > limits.max_prompt_chars:
+            raise UsageError("usage", f"prompt must be a string of at most {limits.max_prompt_chars} characters")
+        out["prompt"] = prompt
+    if "session" in req:
+        if not isinstance(req["session"], str) or not 0 < len(req["session"]) <= 128:
+            raise UsageError("usage", "session must be a name of 1..128 characters")
+        out["session"] = req["session"]
+    return out
+
+
+#: the node's handler: a checked request and its cancel token in, the result dict out
+Handler = Callable[[dict, CancelToken], dict]
+
+
+class _Watcher:
+    """One thread polling every in-flight client socket; a hang-up cancels its token.
+
+    The selector is only touched under one lock (select runs with a 50 ms timeout), so a
+    request registers within 50 ms and a hang-up is seen within about 50 ms."""
+
+    POLL_S = 0.05
+
+    def __init__(self) -> None:
+        self._sel = selectors.DefaultSelector()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="kvpack-api-watch", daemon=True)
+        self._thread.start()
+
+    def watch(self, conn: socket.socket, token: CancelToken) -> None:
+        with self._lock:
+            self._sel.register(conn, selectors.EVENT_READ, token)
+
+    def unwatch(self, conn: socket.socket) -> None:
+        with self._lock:
+            try:
+                self._sel.unregister(conn)
+            except (KeyError, ValueError):
+                pass
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            with self._lock:
+                events = self._sel.select(self.POLL_S) if self._sel.get_map() else None
+            if events is None:
+                self._stop.wait(self.POLL_S)
+                continue
+            for key, _mask in events:
+                self._check(key.fileobj, key.data)
+
+    def _check(self, conn, token: CancelToken) -> None:
+        try:
+            data = conn.recv(4096, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:  # the client hung up (EOF or reset)
+            token.cancel("the client closed its connection")
+            self.unwatch(conn)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+        with self._lock:
+            self._sel.close()
+
+
+class LocalApi:
+    """The accept loop and one thread per request (at most ``max_clients``)."""
+
+    def __init__(
+        self, api_socket: ApiSocket, handler: Handler, limits: ApiLimits, max_prompt_tokens: int, on_reply: Callable[[dict], None] | None = None
+    ) -> None:
+        self.socket = api_socket
+        self.handler = handler
+        self.limits = limits
+        self.max_prompt_tokens = max_prompt_tokens
+        self.on_reply = on_reply
+        self._clients = threading.BoundedSemaphore(limits.max_clients)
+        self._watcher = _Watcher()
+        self._stopping = threading.Event()
+        self._tokens: set[CancelToken] = set()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._loop, name="kvpack-receiver-api", daemon=True)
+
+    def start(self) -> "LocalApi":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stopping.set()
+        with self._lock:
+            for token in self._tokens:
+                token.cancel("the node is stopping")
+        self.socket.close()
+        self._thread.join(timeout=5)
+        self._watcher.close()
+
+    def _loop(self) -> None:
+        sock = self.socket.sock
+        assert sock is not None
+        while not self._stopping.is_set():
+            try:
+                conn, _ = sock.accept()
+            except OSError:
+                return
+            if not self._clients.acquire(blocking=False):
+                self._reply(conn, {"ok": False, "error": {"reason": "busy", "detail": f"{self.limits.max_clients} requests in flight (limit)"}})
+                conn.close()
+                continue
+            threading.Thread(target=self._serve, args=(conn,), name="kvpack-receiver-api-conn", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        token = CancelToken()
+        try:
+            with conn:
+                try:
+                    line = read_request_line(conn, self.limits)
+                    if line is None:
+                        return
+                    req = parse_request(line, self.limits, self.max_prompt_tokens)
+                except KvpackError as exc:
+                    self._reply(conn, {"ok": False, "error": {"reason": exc.category, "detail": exc.message}})
+                    return
+                with self._lock:
+                    self._tokens.add(token)
+                self._watcher.watch(conn, token)
+                try:
+                    reply = {"ok": True, "result": self.handler(req, token)}
+                except BaseException as exc:  # noqa: BLE001 - reported to the client
+                    reason, detail = verdict_of(exc)
+                    reply = {"ok": False, "error": {"reason": reason, "detail": detail}}
+                finally:
+                    self._watcher.unwatch(conn)
+                if self.on_reply is not None:
+                    self.on_reply(reply)
+                if not token.cancelled:
+                    self._reply(conn, reply)
+        finally:
+            with self._lock:
+                self._tokens.discard(token)
+            self._clients.release()
+
+    @staticmethod
+    def _reply(conn: socket.socket, reply: dict) -> None:
+        try:
+            conn.settimeout(10.0)
+            conn.sendall(json.dumps(reply, default=str).encode() + b"\n")
+        except OSError:
+            pass  # the client left; its work was cancelled or is done
+
+
+def request_local(socket_path: str, payload: dict, timeout: float = 900.0, max_reply_bytes: int = 64 << 20) -> dict:
+    """Client side of the local API (``kvpack request``): one request, one reply line."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout)
+        s.connect(socket_path)
+        s.sendall(json.dumps(payload).encode() + b"\n")
+        buf = bytearray()
+        chunk = bytearray(1 << 16)
+        while True:
+            n = s.recv_into(chunk)
+            if n == 0:
+                break
+            start = len(buf)
+            buf += chunk[:n]
+            if buf.find(b"\n", start) >= 0 or len(buf) > max_reply_bytes:
+                break
+    return json.loads(bytes(buf))

@@ -1,0 +1,193 @@
+"""Striped handoff: one session's transfer split over N connections, committed once.
+
+Why it exists: one TLS stream is bounded by one core's decryption and hashing; a large
+handoff moves faster over several connections (benchmarks/bench_handoff_procs.py). kvpack
+stripes *without weakening anything*:
+
+* **Negotiation** (control plane): the receiver asks with the request extension
+  ``kvpack_stripes: N``; a kvpack producer that honours it sends ``k = min(N, its own
+  maximum, segments in the schedule)`` stripes; a strict upstream producer refuses the
+  unknown key before ``accepted`` and the receiver retries with one stream (nothing was sent).
+* **Each stripe is a whole Handoff V2 transfer**: its own begin, generation (taken durably by
+  the producer), transfer id ``<request_id>-<generation>-s<index>.<k>`` (so the binding of
+  errata M8 holds and the receiver learns the stripe from the sealed begin), its own seal
+  and HMAC, its own replay-ledger reservation. Stripe ``i`` carries the span schedule's
+  segments ``[i::k]`` in order, which the receiver's schedule witness enforces
+  (``ReceiverConfig.stripe``).
+* **One install, one commit**: every stripe writes its verified segments into one detached
+  install (:class:`SharedInstall`); a stripe that verified its seal and reserved its
+  generation *arrives* at the commit barrier; the last arrival proves the install complete
+  and commits it; only then do the stripes acknowledge. Any stripe's refusal (or the
+  deadline) aborts the install for all: nothing is installed, every stripe is refused.
+
+What it must never do: commit before every stripe verified and reserved, acknowledge a
+stripe whose install did not commit, or accept a stripe of another prompt into the install.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from typing import Any, Callable, Optional
+
+from ..errors import EngineError, ProtocolError
+from ..handoff.manifest import BeginManifestV2, SegmentDescriptorV2
+
+_STRIPE_SUFFIX = re.compile(r"-(\d{1,20})-s(\d{1,2})\.(\d{1,2})\Z")
+
+
+def stripe_transfer_id(request_id: str, generation: int, index: int, count: int) -> str:
+    """The transfer id of stripe ``index`` of ``count`` (``count == 1``: the plain form)."""
+    if count == 1:
+        return f"{request_id}-{generation}"
+    return f"{request_id}-{generation}-s{index}.{count}"
+
+
+def parse_stripe(request_id: str, transfer_id: str) -> Optional[tuple[int, int]]:
+    """``(index, count)`` of a striped transfer id of ``request_id``; None for a plain one."""
+    if not transfer_id.startswith(request_id + "-"):
+        return None
+    m = _STRIPE_SUFFIX.search(transfer_id[len(request_id) :])
+    if m is None:
+        return None
+    index, count = int(m.group(2)), int(m.group(3))
+    if not 0 <= index < count or count < 2:
+        raise ProtocolError("identity", f"transfer id {transfer_id!r} names stripe {index} of {count}")
+    return index, count
+
+
+def stripe_count(requested: int, producer_max: int, segments: int) -> int:
+    """How many stripes a producer sends: never more than asked, allowed or segments."""
+    return max(1, min(requested, producer_max, segments))
+
+
+class SharedInstall:
+    """One detached engine install fed by ``count`` stripes, committed once.
+
+    ``open_install(manifest, prefix_cut)`` opens the engine install (and copies a delta's
+    held prefix) for the first stripe; ``scatter(install, descriptor, payload)`` writes one
+    verified segment. Both come from the node, so this class knows no engine.
+    """
+
+    def __init__(
+        self,
+        count: int,
+        open_install: Callable[[BeginManifestV2, int], Any],
+        scatter: Callable[[Any, SegmentDescriptorV2, memoryview], None],
+        deadline: float,
+    ) -> None:
+        self.count = count
+        self._open = open_install
+        self._scatter = scatter
+        self.deadline = deadline  # monotonic: every stripe must have arrived by then
+        self.install: Any = None
+        self._key: Optional[tuple] = None
+        self._cond = threading.Condition()
+        self._write_lock = threading.Lock()
+        self.joined: set[int] = set()
+        self.arrived: set[int] = set()
+        self.failed: Optional[str] = None
+        self.committed = False
+        self.t: dict[str, float] = {}
+
+    def join(self, index: int, manifest: BeginManifestV2, prefix_cut: int) -> None:
+        key = (manifest.position, manifest.prompt_token_ids, manifest.identity, manifest.components, manifest.hmac, prefix_cut)
+        with self._cond:
+            self._raise_if_failed()
+            if index in self.joined or not 0 <= index < self.count:
+                raise ProtocolError("sequence", f"stripe {index} of {self.count} joined twice or out of range")
+            if self.install is None:
+                self.install = self._open(manifest, prefix_cut)
+                self._key = key
+            elif key != self._key:
+                raise ProtocolError("identity", f"stripe {index} describes another prompt, identity or key than the first stripe")
+            self.joined.add(index)
+
+    def write(self, descriptor: SegmentDescriptorV2, payload: memoryview) -> None:
+        with self._write_lock:  # installs are not required to take concurrent writers
+            if self.failed is not None:
+                raise ProtocolError("sink", f"another stripe was refused: {self.failed}", remote=False)
+            self._scatter(self.install, descriptor, payload)
+
+    def arrive(self, index: int) -> None:
+        """Stripe ``index`` verified its seal and reserved its generation: wait until every
+        stripe did, then the last one commits. Raises if any stripe failed meanwhile."""
+        with self._cond:
+            self._raise_if_failed()
+            self.arrived.add(index)
+            if len(self.arrived) == self.count:
+                self._commit_locked()
+                return
+            while not self.committed and self.failed is None:
+                left = self.deadline - time.monotonic()
+                if left <= 0:
+                    self._fail_locked(f"{self.count - len(self.arrived)} of {self.count} stripes did not arrive before the deadline")
+                    break
+                self._cond.wait(left)
+            self._raise_if_failed()
+
+    def _commit_locked(self) -> None:
+        self.t["commit0"] = time.perf_counter()
+        try:
+            gaps = self.install.missing()
+            if gaps:
+                layer, role, left = gaps[0]
+                raise EngineError("install", f"{len(gaps)} planes incomplete after every stripe (layer {layer} {role}: {left} rows)")
+            self.install.commit(require_logits=False)  # the receiver decodes the boundary token itself
+        except BaseException as exc:
+            self._fail_locked(f"{type(exc).__name__}: {exc}")
+            raise
+        self.committed = True
+        self.t["commit1"] = time.perf_counter()
+        self._cond.notify_all()
+
+    def fail(self, reason: str) -> None:
+        """A stripe was refused or the request was cancelled: abort the install for all."""
+        with self._cond:
+            self._fail_locked(reason)
+
+    def _fail_locked(self, reason: str) -> None:
+        if self.committed or self.failed is not None:
+            return
+        self.failed = reason[:500]
+        if self.install is not None:
+            with self._write_lock:
+                try:
+                    self.install.abort()
+                except Exception:  # noqa: BLE001 - the refusal that got us here is what counts
+                    pass
+        self._cond.notify_all()
+
+    def _raise_if_failed(self) -> None:
+        if self.failed is not None:
+            raise ProtocolError("sink", f"another stripe was refused: {self.failed}", remote=False)
+
+
+class StripeSink:
+    """The handoff ``Sink`` of one stripe (``count == 1``: a plain transfer) over a
+    :class:`SharedInstall`: ``commit`` is the stripe's arrival at the commit barrier."""
+
+    def __init__(self, shared: SharedInstall, index: int) -> None:
+        self.shared = shared
+        self.index = index
+        self.t: dict[str, float] = {}
+
+    def begin(self, manifest: BeginManifestV2, prefix_cut: int) -> None:
+        self.shared.join(self.index, manifest, prefix_cut)
+
+    def write_segment(self, descriptor: SegmentDescriptorV2, payload: memoryview) -> None:
+        self.shared.write(descriptor, payload)
+
+    def prepare(self) -> None:
+        # this stripe's share is complete (the schedule witness proved it at the seal); the
+        # whole install's completeness is proven once, at the barrier
+        self.t["prepare0"] = self.t["prepare1"] = time.perf_counter()
+
+    def commit(self) -> None:
+        self.t["commit0"] = time.perf_counter()
+        self.shared.arrive(self.index)
+        self.t["commit1"] = time.perf_counter()
+
+    def abort(self) -> None:
+        self.shared.fail(f"stripe {self.index} refused")
