@@ -2,63 +2,77 @@
 
 Figure 30.1 of seed 003, steps 1-6 and the answer, from this side:
 
-1. a control-plane server on its own ALPN (``muser-prefill-control-v1``, mutual TLS, the
-   receiver's leaf pinned) reads one MUPCTL1 request V1 (C.14, errata M6 bounds) and answers
-   ``accepted``; it serves one control connection at a time (errata H2), and a connection
-   that becomes readable mid-job (the receiver went away or spoke) cancels the job;
+1. the control listener (:class:`~kvpack.node.transport.Listener`, ALPN
+   ``muser-prefill-control-v1``, mutual TLS, the receivers' leaves pinned) hands every
+   authenticated connection to a worker; the worker reads one MUPCTL1 request V1 (C.14,
+   errata M6 bounds) of at most :data:`~kvpack.node.control.MAX_REQUEST_BYTES` within
+   ``request_read_s``, lifts the kvpack extensions it honours (``kvpack_prefix_cut``,
+   ``kvpack_stripes``), takes a *prefill slot* (at most ``prefill_slots`` jobs at once; a
+   full node answers ``failed: busy``) and answers ``accepted``. A control connection that
+   becomes readable mid-job (the receiver went away or spoke) cancels the job (errata H2);
 2. the request's tokens minus the held-back boundary token are prefilled exactly, in the
    engine's absolute 256-token chunks. A prefix this node computed before (in memory, or
    in its pack store) is installed instead of recomputed, so ``prefill_tokens`` in the
-   receipt counts only what was really computed;
+   receipt counts only what was really computed; tiles a resident prefix already holds are
+   shipped from it at once, while the prefix is copied into the job's session;
 3. it connects back to ``receiver_host:receiver_port`` on the data ALPN with its own leaf,
-   pinning the receiver's leaf and checking its SAN (errata H1);
-4. the begin (deferred mode, as upstream's resident producer; ``prefix_cut`` when the
-   receiver armed a delta that is valid for this prompt) leaves at once;
-5. each tile leaves as soon as the prefill chunk that completes it ran: the chunk callback
-   exports the tile and a sender thread hashes and writes it while the next chunk computes;
-6. seal, then exactly one ACK is awaited; then ``committed`` with the C.14 receipt.
+   pinning the receiver's leaf and checking its SAN (errata H1) -- once per stripe;
+4. each stripe's begin (deferred mode, as upstream's resident producer; ``prefix_cut`` when
+   the receiver armed a delta valid for this prompt) leaves at once;
+5. each tile leaves as soon as the prefill chunk that completes it ran, on the stripe it
+   belongs to (tile ``j`` on stripe ``j mod k``): a sender thread per stripe hashes and
+   writes it while the next chunk computes;
+6. every stripe seals and awaits exactly one ACK; then ``committed`` with the C.14 receipt.
 
 Cache bytes never ride the control channel: control messages are the request, ``accepted``
-and ``committed``/``failed`` (each recorded with its size in the producer receipt).
+and ``committed``/``failed`` (each recorded with its size in the producer receipt). A
+``failed`` answer echoes the request id only when it is a valid C.14 id.
 
 The generation ledger (``{"next_generation": N}``, C.9) is advanced durably *before* a
-generation is used, so a crash can skip a generation but never reuse one.
+generation is used, so a crash can skip a generation but never reuse one; a striped job
+takes its ``k`` generations in one durable write.
+
+This module must never answer ``committed`` before every stripe's ACK, nor write a receipt
+field it did not bound (the receipt writer bounds them).
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
 import queue
 import socket
-import ssl
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Any, Optional
 
 from ..durable import atomic_write, ensure_dir
 from ..errors import KvpackError, ProtocolError, SecurityError
 from ..handoff import canonical_json as cj
-from ..handoff.control import ControlReceipt, ControlRequestV1, ControlResponse
+from ..handoff.control import ControlDecoder, ControlReceipt, ControlRequestV1, ControlResponse
 from ..handoff.manifest import PROTOCOL, BeginManifestV2, ComponentV2, HmacRef
 from ..handoff.schedule import schedule_span
 from ..handoff.sender import Sender
 from ..security.config import ProducerConfig
 from ..security.secret_files import load_hmac_key
-from ..security.tls import client_context, connect, listen, server_context, wrap_accepted
-from ..vocab import FileLock, LockHeld, align_tokens_down, is_token_aligned
-from .common import ReceiptWriter, close_listener, chunk_tokens, hash_workers, now_ms, read_control, readable, verdict_of
+from ..security.tls import client_context, connect, server_context
+from .common import chunk_tokens, hash_workers, now_ms, read_control, readable, verdict_of
+from .control import EXT_PREFIX_CUT, EXT_STRIPES, EXTENSIONS, MAX_REQUEST_BYTES, echo_id, split_extensions
 from .ladder import ResidentRadix, RowsSource
 from .metrics import NodeMetrics
+from .receipts import ReceiptWriter, RefusalLog
 from .status import attach_producer
-from .receiver import EXT_PREFIX_CUT
+from .striping import stripe_count, stripe_transfer_id
+from .transport import Limits, Listener, bind_tcp
 from .wire import TileGeometry, copy_prefix, pack_tile, span_layout, wire_identity
 
 EXPIRY_MS = 900_000  # errata H3: prefilld's begin expires 900 s after creation
 MAX_ERROR = 1024
+ACK_WAIT_S = 60.0
 
 
 class GenerationLedger:
@@ -71,17 +85,18 @@ class GenerationLedger:
     def __init__(self, path: str) -> None:
         self.path = os.path.abspath(path)
         ensure_dir(os.path.dirname(self.path), mode=0o700)
-        self._lock = FileLock(self.path + ".lock")
+        self._lock_fd = os.open(self.path + ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
-            self._lock.acquire()
-        except LockHeld:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._lock_fd)
             raise SecurityError("locked", f"generation ledger {self.path!r} is held by another producer") from None
         if os.path.exists(self.path):
             st = os.lstat(self.path)
             if not os.path.isfile(self.path) or os.path.islink(self.path) or st.st_mode & 0o077:
                 raise SecurityError("ledger", f"generation ledger {self.path!r} must be a regular 0600 file")
             with open(self.path, "rb") as fh:
-                obj = json.loads(fh.read())
+                obj = json.loads(fh.read(4096))
             n = obj.get("next_generation") if isinstance(obj, dict) and set(obj) == {"next_generation"} else None
             if type(n) is not int or n < 1:
                 raise SecurityError("ledger", f"generation ledger {self.path!r} is malformed")
@@ -96,28 +111,39 @@ class GenerationLedger:
         atomic_write(self.path, body, mode=0o600)
 
     def take(self) -> int:
+        return self.take_many(1)[0]
+
+    def take_many(self, n: int) -> list[int]:
+        """``n`` consecutive generations, made durable in one write before any is used."""
         with self._mutex:
             gen = self.next
-            self._persist(gen + 1)
-            self.next = gen + 1
-            return gen
+            self._persist(gen + n)
+            self.next = gen + n
+            return list(range(gen, gen + n))
 
     def close(self) -> None:
-        self._lock.release()
-
-
-@dataclass
-class _WireProgress:
-    """What the send thread reports to the job thread: time in writes, payload bytes, and
-    the failure that stopped it (re-raised by the job thread)."""
-
-    ns: int = 0
-    bytes: int = 0
-    error: BaseException | None = None
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
 
 
 class _Cancelled(Exception):
     pass
+
+
+@dataclass
+class _StripeOut:
+    """One stripe's data connection: its sender, queue of tiles and progress."""
+
+    index: int
+    sender: Sender
+    channel: Any
+    q: "queue.Queue[Any]" = field(default_factory=lambda: queue.Queue(maxsize=4))  # bounded: prefill never runs far ahead
+    wire_ns: int = 0
+    first_segment_ns: int = 0
+    acked_ns: int = 0
+    error: Optional[BaseException] = None
+    thread: Optional[threading.Thread] = None
 
 
 class ProducerNode:
@@ -126,7 +152,7 @@ class ProducerNode:
     def __init__(
         self,
         config: ProducerConfig,
-        engine,
+        engine=None,
         *,
         receipts_dir: str,
         store=None,
@@ -135,34 +161,49 @@ class ProducerNode:
         pacing_bytes_per_s: Optional[float] = None,
         wire_tap=None,
         accept_prefix_cut_extension: bool = True,
+        limits: Optional[Limits] = None,
+        prefill_slots: int = 4,
+        max_stripes: int = 8,
+        slot_wait_s: float = 10.0,
+        request_read_s: float = 30.0,
     ) -> None:
         self.config = config
         # False behaves like the upstream prefill daemon, whose request V1 denies unknown
-        # fields: a delta request (extension key) is answered "failed" before "accepted"
+        # fields: a request with a kvpack extension key is answered "failed" before "accepted"
+        self.extensions: tuple[str, ...] = EXTENSIONS if accept_prefix_cut_extension else ()
         self.accept_prefix_cut_extension = accept_prefix_cut_extension
         self.engine = engine
         self.store = store
-        self.receipts = ReceiptWriter(receipts_dir)
+        self.receipts_dir = receipts_dir
+        self.refusal_log = RefusalLog("producer", os.path.join(os.path.abspath(receipts_dir), "refusals.log"))
+        self.receipts = ReceiptWriter(receipts_dir, refusal_log=self.refusal_log)
         self.metrics = NodeMetrics("producer")
+        self.refusal_log.on_count = self.metrics.refusal
         self._metrics_port = metrics_port
-        self.layout = span_layout(engine.layout)
-        self.geometry = TileGeometry.of(engine.layout)
-        self.exact, self.target = wire_identity(engine)
         self.resident = ResidentRadix(resident_bytes)
-        self.identity_digest = engine.identity.ids().digest()
         self.pacing = pacing_bytes_per_s
         #: diagnostics: called with every buffer written on a data connection, in order
         self.wire_tap = wire_tap
+        self.limits = limits or Limits()
+        self.max_stripes = max_stripes
+        self.slot_wait_s = slot_wait_s
+        self.request_read_s = request_read_s
+        self._slots = threading.BoundedSemaphore(max(1, prefill_slots))
+        self.prefill_slots = max(1, prefill_slots)
         self.ledger: Optional[GenerationLedger] = None
-        self._listener: Optional[socket.socket] = None
-        self._thread: Optional[threading.Thread] = None
-        self._stopping = threading.Event()
+        self.listener: Optional[Listener] = None
+        self._sock: Optional[socket.socket] = None
+        self._hash_pool: Optional[ThreadPoolExecutor] = None
         self.control_port: Optional[int] = None
-        # segment digests of large payloads run here while the job thread feeds the running
-        # digest (kvpack.handoff.hashing: the core never starts threads itself)
-        self._hash_pool = ThreadPoolExecutor(max_workers=hash_workers(), thread_name_prefix="kvpack-producer-hash")
+        self._bound = False
 
-    def start(self) -> "ProducerNode":
+    # -- lifecycle: bind (no engine needed), then start ---------------------------------------
+
+    def bind(self) -> "ProducerNode":
+        """Everything that can fail without a model: the generation ledger's lock, the keys,
+        the TLS contexts, the control port. The CLI calls this before loading the engine."""
+        if self._bound:
+            return self
         cfg = self.config
         self.ledger = GenerationLedger(cfg.generation_ledger)
         self._keys = {r.name: load_hmac_key(r.hmac_key_file) for r in cfg.receivers}
@@ -171,284 +212,174 @@ class ProducerNode:
         self._ctl_ctx = server_context(self._ctl_ep)
         endpoints = {r.name: cfg.data_endpoint(r.name) for r in cfg.receivers}
         self._data = {name: (ep, client_context(ep)) for name, ep in endpoints.items()}
-        self._listener = listen(cfg.control_listen_host, cfg.control_listen_port)
-        self.control_port = self._listener.getsockname()[1]
-        self._thread = threading.Thread(target=self._serve, name="kvpack-producer", daemon=True)
-        self._thread.start()
+        self._sock = bind_tcp(cfg.control_listen_host, cfg.control_listen_port, "control listener")
+        self.control_port = self._sock.getsockname()[1]
+        self._bound = True
+        return self
+
+    def start(self, engine=None) -> "ProducerNode":
+        if engine is not None:
+            self.engine = engine
+        if self.engine is None:
+            raise ProtocolError("state", "a producer needs an engine to start", remote=False)
+        self.bind()
+        self.layout = span_layout(self.engine.layout)
+        self.geometry = TileGeometry.of(self.engine.layout)
+        self.exact, self.target = wire_identity(self.engine)
+        self.identity_digest = self.engine.identity.ids().digest()
+        # each stripe's sender hashes a large tile's own digest on this pool while it feeds
+        # the running digest (kvpack.handoff.hashing: the core never starts threads itself)
+        self._hash_pool = ThreadPoolExecutor(max_workers=hash_workers(), thread_name_prefix="kvpack-producer-hash")
+        assert self._sock is not None
+        self.listener = Listener(
+            "producer-control", self._sock, self._ctl_ep, self._ctl_ctx, self._serve_control, limits=self.limits, refusals=self.refusal_log
+        )
+        self.listener.start()
         attach_producer(self)  # status page sections and readiness checks
         if self._metrics_port is not None:
             self.metrics.serve(self._metrics_port)
         return self
 
     def stop(self) -> None:
-        self._stopping.set()
-        close_listener(self._listener)
-        if self._thread is not None:
-            self._thread.join(timeout=10)
-        self._hash_pool.shutdown(wait=False, cancel_futures=True)
+        if self.listener is not None:
+            self.listener.stop()
+        elif self._sock is not None:
+            self._sock.close()
         self.metrics.close()
+        if self._hash_pool is not None:
+            self._hash_pool.shutdown(wait=False, cancel_futures=True)
         if self.ledger is not None:
             self.ledger.close()
 
     # -- control plane --------------------------------------------------------------------
-
-    def _serve(self) -> None:
-        # One control connection at a time (errata H2): a second request waits in the backlog.
-        listener = self._listener
-        assert listener is not None  # start() binds it before starting this thread
-        while not self._stopping.is_set():
-            try:
-                raw, _ = listener.accept()
-            except OSError:
-                return
-            try:
-                self._serve_control(raw)
-            except Exception as exc:  # noqa: BLE001 - the daemon outlives any one request
-                reason, detail = verdict_of(exc)
-                self.metrics.refusal(reason)
-                self.receipts.write({"role": "producer", "verdict": "failed", "reason": reason, "detail": detail[:2000]})
 
     def _respond(self, ctl, frames: list, response: ControlResponse) -> None:
         data = response.encode()
         ctl.sendall(data)
         frames.append({"dir": "sent", "type": response.status, "bytes": len(data)})
 
-    def _serve_control(self, raw: socket.socket) -> None:
-        peer = "?"
-        try:
-            peer = "%s:%s" % raw.getpeername()[:2]
-        except OSError:
-            pass
-        try:
-            ctl = wrap_accepted(raw, self._ctl_ep, context=self._ctl_ctx)
-        except (KvpackError, OSError, ssl.SSLError) as exc:
-            reason, detail = verdict_of(exc)
-            self.metrics.refusal(reason)
-            self.receipts.write({"role": "producer", "verdict": "refused", "phase": "tls", "reason": reason, "detail": detail[:2000], "peer": peer})
-            return
+    def _serve_control(self, ctl) -> None:
+        """One authenticated control connection (a worker thread of the listener)."""
         frames: list = []
-        receipt: dict = {"role": "producer", "peer": peer, "control_frames": frames}
+        receipt: dict = {"role": "producer", "peer": ctl.peer_address, "control_frames": frames}
+        try:
+            self._control(ctl, frames, receipt)
+        except Exception as exc:  # noqa: BLE001 - the daemon outlives any one request
+            reason, detail = verdict_of(exc)
+            receipt.setdefault("verdict", "failed")
+            receipt.update(reason=reason, detail=detail[:2000])
+            self.metrics.refusal(reason)
+        finally:
+            job = receipt.pop("_job", None)
+            receipt["receipt_path"] = self.receipts.write({k: v for k, v in receipt.items() if not k.startswith("_")})
+            if job is not None:
+                self._remember(receipt, job)  # off the critical path: the reply went out
+
+    def _read_request(self, ctl, frames: list) -> tuple[str, Any]:
+        """``(id to echo, raw request)``: at most ``MAX_REQUEST_BYTES`` within the read
+        deadline; the id is echoed only if it is a valid C.14 id."""
+        raw = read_control(ctl, time.monotonic() + self.request_read_s, ControlDecoder(MAX_REQUEST_BYTES))
+        frames.append({"dir": "received", "type": "request", "bytes": len(cj.canonical_bytes(raw)) + 12})
+        return echo_id(raw.get("request_id")) if isinstance(raw, dict) else "unknown", raw
+
+    def _parse_request(self, ctl, raw: Any) -> tuple[ControlRequestV1, dict[str, int], Any]:
+        """The typed request, the extensions this node honours, and the requesting receiver."""
+        raw, ext = split_extensions(raw, self.extensions)
+        req = ControlRequestV1.from_json(raw)
+        req.validate(now_ms(), self.engine.max_context)
+        receiver = self._by_pin.get(ctl.peer.leaf_sha256)
+        if receiver is None:  # pinned by the TLS layer, so this is a config bug
+            raise SecurityError("pin", "control peer is not a configured receiver")
+        return req, ext, receiver
+
+    def _refuse_request(self, ctl, frames: list, receipt: dict, rid: str, reason: str, detail: str) -> None:
+        self._respond(ctl, frames, ControlResponse(rid, "failed", error=f"{reason}: {detail}"[:MAX_ERROR]))
+        receipt.update(verdict="refused", phase="request", reason=reason, detail=detail[:2000], request_id=rid)
+        self.metrics.refusal(reason)
+
+    def _control(self, ctl, frames: list, receipt: dict) -> None:
         rid = "unknown"
         try:
-            try:
-                raw_msg = read_control(ctl, time.monotonic() + 30.0)
-                frames.append({"dir": "received", "type": "request", "bytes": len(cj.canonical_bytes(raw_msg)) + 12})
-                hint = 0
-                if isinstance(raw_msg, dict) and EXT_PREFIX_CUT in raw_msg and self.accept_prefix_cut_extension:
-                    hint = cj.u64(raw_msg.pop(EXT_PREFIX_CUT), EXT_PREFIX_CUT)
-                req = ControlRequestV1.from_json(raw_msg)
-                rid = req.request_id
-                req.validate(now_ms(), self.engine.max_context)
-                receiver = self._by_pin.get(ctl.peer.leaf_sha256)
-                if receiver is None:  # pinned by the TLS layer, so this is a config bug
-                    raise SecurityError("pin", "control peer is not a configured receiver")
-            except (KvpackError, TimeoutError) as exc:
-                reason, detail = verdict_of(exc)
-                self._respond(ctl, frames, ControlResponse(rid, "failed", error=f"{reason}: {detail}"[:MAX_ERROR]))
-                receipt.update(verdict="refused", phase="request", reason=reason, detail=detail[:2000], request_id=rid)
-                self.metrics.refusal(reason)
-                return
-            self._respond(ctl, frames, ControlResponse(rid, "accepted"))
-            receipt.update(request_id=rid, receiver=receiver.name, prompt_tokens=len(req.prompt_token_ids), hint_prefix_cut=hint)
-            try:
-                job = self._job(ctl, req, receiver, hint, receipt)
-            except BaseException as exc:  # noqa: BLE001 - answered as "failed"
-                reason, detail = verdict_of(exc if not isinstance(exc, _Cancelled) else ProtocolError("aborted", "receiver went away"))
-                receipt.update(verdict="failed", reason=reason, detail=detail[:2000])
-                self.metrics.transfer(reason)
-                self.metrics.refusal(reason)
-                try:
-                    self._respond(ctl, frames, ControlResponse(rid, "failed", error=f"{reason}: {detail}"[:MAX_ERROR]))
-                except (KvpackError, OSError):
-                    pass
-                return
-            self._respond(ctl, frames, ControlResponse(rid, "committed", receipt=job))
-            receipt.update(verdict="committed", receipt=job.to_json())
-            self.metrics.transfer("committed", job.payload_bytes)
-            # Off the critical path: remember what was computed, for the next request.
-            self._remember(receipt)
+            rid, raw = self._read_request(ctl, frames)
+            req, ext, receiver = self._parse_request(ctl, raw)
+        except (KvpackError, TimeoutError) as exc:
+            self._refuse_request(ctl, frames, receipt, rid, *verdict_of(exc))
+            return
+        if not self._slots.acquire(timeout=self.slot_wait_s):
+            self._refuse_request(ctl, frames, receipt, rid, "busy", f"all {self.prefill_slots} prefill slots busy for {self.slot_wait_s:g} s")
+            return
+        try:
+            self._accepted_job(ctl, frames, receipt, req, ext, receiver)
         finally:
-            ctl.close()
-            receipt.pop("_session", None)
-            receipt.pop("_checkpoints", None)
-            receipt["receipt_path"] = self.receipts.write({k: v for k, v in receipt.items() if not k.startswith("_")})
+            self._slots.release()
 
-    # -- the job --------------------------------------------------------------------------
+    def _accepted_job(self, ctl, frames: list, receipt: dict, req: ControlRequestV1, ext: dict, receiver) -> None:
+        rid = req.request_id
+        self._respond(ctl, frames, ControlResponse(rid, "accepted"))
+        receipt.update(
+            request_id=rid,
+            receiver=receiver.name,
+            prompt_tokens=len(req.prompt_token_ids),
+            hint_prefix_cut=ext.get(EXT_PREFIX_CUT, 0),
+            stripes_requested=ext.get(EXT_STRIPES, 1),
+        )
+        try:
+            job = _Job(self, ctl, req, receiver, ext, receipt).run()
+        except BaseException as exc:  # noqa: BLE001 - answered as "failed"
+            reason, detail = verdict_of(exc if not isinstance(exc, _Cancelled) else ProtocolError("aborted", "receiver went away"))
+            receipt.update(verdict="failed", reason=reason, detail=detail[:2000])
+            self.metrics.transfer(reason)
+            self.metrics.refusal(reason)
+            try:
+                self._respond(ctl, frames, ControlResponse(rid, "failed", error=f"{reason}: {detail}"[:MAX_ERROR]))
+            except (KvpackError, OSError):
+                pass
+            return
+        self._respond(ctl, frames, ControlResponse(rid, "committed", receipt=job.control_receipt))
+        receipt.update(verdict="committed", receipt=job.control_receipt.to_json())
+        self.metrics.transfer("committed", job.control_receipt.payload_bytes)
+        receipt["_job"] = job
 
-    def _reuse(self, session, prompt: list[int]) -> tuple[int, str]:
-        """Install the deepest 256-aligned prefix this node already computed, leaving at least
-        one token to prefill (the receipt's ``prefill_tokens`` is never zero). Only aligned
-        cuts: prefill chunks end at absolute multiples of 256, so a prefix restored there and
-        extended by prefill computes exactly what an uninterrupted prefill computes."""
+    # -- reuse ----------------------------------------------------------------------------
+
+    def _reuse_plan(self, prompt: list[int]) -> tuple[int, str, Any]:
+        """The deepest 256-aligned prefix this node already computed, leaving at least one
+        token to prefill (the receipt's ``prefill_tokens`` is never zero): ``(cut, tier,
+        source)``. Only aligned cuts: prefill chunks end at absolute multiples of 256, so a
+        prefix restored there and extended by prefill computes exactly what an uninterrupted
+        prefill computes. A durable hit is ``(cut, "durable", hit)`` (restored by the job)."""
         position = len(prompt) - 1
-        limit = align_tokens_down(position - 1)
+        limit = (position - 1) - (position - 1) % 256
         if limit <= 0:
-            return 0, "none"
+            return 0, "none", None
         held = self.resident.lookup(self.identity_digest, prompt[: limit + 1])  # 'prompt' of limit rows + 1
         best_res = 0 if held is None else min(held.matched, limit)
-        best_res = align_tokens_down(best_res)
-        hit = None
+        best_res -= best_res % 256
         if self.store is not None:
             hit = self.store.find_deepest(prompt[:limit], self.engine.layout, self.engine.identity.ids())
-        if hit is not None and is_token_aligned(hit.cut) and hit.cut > best_res:
-            # a cut failing verification is quarantined by the store and is a miss here
-            if self.store.restore_healing(hit, session, prompt[: hit.cut])[0] is not None:
-                return hit.cut, "durable"
+            if hit is not None and hit.cut % 256 == 0 and hit.cut > best_res:
+                return hit.cut, "durable", hit
         if best_res:
             assert held is not None  # best_res > 0 only from a resident hit
-            install = session.begin_install(best_res, prompt[:best_res], self.engine.identity)
+            return best_res, "resident", held.source
+        return 0, "none", None
+
+    def _install_prefix(self, session, prompt: list[int], cut: int, tier: str, source) -> tuple[int, str]:
+        if tier == "durable":
+            # a cut failing verification is quarantined by the store and is a miss here
+            if self.store.restore_healing(source, session, prompt[:cut])[0] is not None:
+                return cut, "durable"
+            return 0, "none"
+        if tier == "resident":
+            install = session.begin_install(cut, prompt[:cut], self.engine.identity)
             try:
-                copy_prefix(held.source, install, self.geometry, best_res)
+                copy_prefix(source, install, self.geometry, cut)
                 install.commit(require_logits=False)
             except BaseException:
                 install.abort()
                 raise
-            return best_res, "resident"
+            return cut, "resident"
         return 0, "none"
-
-    def _job(self, ctl, req: ControlRequestV1, receiver, hint: int, receipt: dict) -> ControlReceipt:
-        prompt = list(req.prompt_token_ids)
-        position = len(prompt) - 1  # the receiver holds back the boundary token
-        tokens = prompt[:position]
-        cut = hint if hint and is_token_aligned(hint) and 0 < hint < position else 0
-        assert self.ledger is not None  # opened by start()
-        gen = self.ledger.take()  # durable before use: never reused
-        transfer_id = f"{req.request_id}-{gen}"
-        created = now_ms()
-        manifest = BeginManifestV2(
-            protocol=PROTOCOL,
-            transfer_id=transfer_id,
-            generation=gen,
-            created_unix_ms=created,
-            expires_unix_ms=created + EXPIRY_MS,
-            identity=self.exact,
-            prompt_token_ids=tuple(tokens),
-            multimodal=None,
-            hmac=HmacRef(receiver.hmac_key_id, receiver.hmac_epoch),
-            components=(ComponentV2("target", "target_kv", True, self.target),),
-            segments=(),
-            deferred_segments=True,
-        )
-        sender = Sender(manifest, self._keys[receiver.name], prefix_cut=cut, hash_executor=self._hash_pool)
-        schedule = list(schedule_span(self.layout, position, cut))
-        receipt.update(transfer_id=transfer_id, generation=gen, position=position, prefix_cut=cut)
-        ns: dict[str, int] = {}
-        ep, ctx = self._data[receiver.name]
-        ns["transfer_start"] = time.time_ns()
-        data = connect(ep, req.receiver_host, req.receiver_port, context=ctx)
-        out_q: "queue.Queue" = queue.Queue(maxsize=4)  # bounded: prefill never runs far ahead
-        wire = _WireProgress()
-
-        def write(buffers) -> None:
-            t = time.perf_counter_ns()
-            for b in buffers:
-                if self.wire_tap is not None:
-                    self.wire_tap(bytes(b))
-                self._send(data, b)
-            wire.ns += time.perf_counter_ns() - t
-
-        def sender_loop() -> None:
-            try:
-                while True:
-                    item = out_q.get()
-                    if item is None:
-                        return
-                    payload, seg = item
-                    write(sender.send_segment(payload, seg))
-                    wire.bytes += len(payload)
-                    if "first_segment_sent" not in ns:
-                        ns["first_segment_sent"] = time.time_ns()
-            except BaseException as exc:  # noqa: BLE001 - reported by the job thread
-                wire.error = exc
-                while True:  # unblock the producer side
-                    try:
-                        if out_q.get_nowait() is None:
-                            return
-                    except queue.Empty:
-                        time.sleep(0.01)
-
-        tx = threading.Thread(target=sender_loop, name="kvpack-producer-send", daemon=True)
-        state = {"next": 0}
-        session = None
-        try:
-            write(sender.begin())
-            tx.start()
-            session = self.engine.new_session()
-            ns["prefill_start"] = time.time_ns()
-            t_pf = time.perf_counter()
-            reused, tier = self._reuse(session, prompt)
-            checkpoints: dict[int, bytes] = {}
-
-            def ship_ready(s) -> None:
-                if wire.error is not None:
-                    raise wire.error
-                if readable(ctl.sock):  # errata H2: the receiver spoke or left: cancel
-                    raise _Cancelled()
-                if is_token_aligned(s.position) and s.position > reused and self.store is not None:
-                    checkpoints[s.position] = bytes(s.export_logits())
-                while state["next"] < len(schedule):
-                    seg = schedule[state["next"]]
-                    if seg.logical_start + seg.logical_count > s.position:
-                        break
-                    out_q.put((pack_tile(s, self.geometry, seg.logical_start, seg.logical_count), seg))
-                    state["next"] += 1
-
-            ship_ready(session)  # tiles of an installed prefix beyond the cut leave at once
-            session.prefill(tokens[session.position :], chunk_size=chunk_tokens(self.engine), on_chunk=ship_ready)
-            ns["prefill_end"] = time.time_ns()
-            prefill_s = time.perf_counter() - t_pf
-            ship_ready(session)
-            ns["state_saved"] = time.time_ns()
-            out_q.put(None)
-            tx.join()
-            if wire.error is not None:
-                raise wire.error
-            write(sender.seal())
-            data.settimeout(60.0)
-            ack = None
-            while ack is None:
-                chunk = data.recv(4096)
-                if not chunk:
-                    raise ProtocolError("aborted", "receiver closed the data connection without an ack")
-                ack = sender.receive_data(chunk)
-            ns["transfer_acked"] = time.time_ns()
-        except BaseException:
-            if tx.is_alive():
-                out_q.put(None)
-                tx.join(timeout=5)
-            try:
-                for b in sender.abort():
-                    data.sendall(b)
-            except (KvpackError, OSError):
-                pass
-            raise
-        finally:
-            data.close()
-        prefilled = position - reused
-        self.metrics.prefilled.labels("producer").inc(prefilled)
-        self.metrics.reused.labels("producer", tier).inc(reused)
-        self.metrics.phases({"prefill": prefill_s, "wire": wire.ns / 1e9})
-        receipt.update(
-            reused_tokens=reused,
-            reuse_tier=tier,
-            prefilled_tokens=prefilled,
-            segments=sender.segments_sent,
-            payload_bytes=sender.bytes_sent,
-            begin_sha256=manifest.begin_sha256(),
-            seal=None if sender.seal_manifest is None else sender.seal_manifest.to_json(),
-        )
-        receipt["_session"], receipt["_checkpoints"], receipt["_tokens"] = session, checkpoints, tokens
-        return ControlReceipt(
-            prefill_start_unix_ns=ns["prefill_start"],
-            prefill_end_unix_ns=ns["prefill_end"],
-            state_saved_unix_ns=ns["state_saved"],
-            transfer_start_unix_ns=ns["transfer_start"],
-            first_segment_sent_unix_ns=ns["first_segment_sent"],
-            transfer_acked_unix_ns=ns["transfer_acked"],
-            prefill_tokens=prefilled,
-            payload_bytes=sender.bytes_sent,
-            payload_wire_ns=max(1, wire.ns),
-        )
 
     def _send(self, data, buf) -> None:
         if not self.pacing:
@@ -463,21 +394,272 @@ class ProducerNode:
             data.sendall(part)
             time.sleep(len(part) / self.pacing)
 
-    def _remember(self, receipt: dict) -> None:
-        session = receipt.pop("_session", None)
-        checkpoints = receipt.pop("_checkpoints", {})
-        tokens = receipt.pop("_tokens", None)
+    def _remember(self, receipt: dict, job: "_Job") -> None:
+        session, checkpoints, tokens = job.session, job.checkpoints, job.tokens
         if session is None or not tokens:
             return
         t0 = time.perf_counter()
-        self.resident.insert(self.identity_digest, RowsSource.capture(session, len(tokens)))
-        saved = []
-        if self.store is not None:
-            # aligned checkpoints only (see _reuse)
-            for c in sorted(checkpoints):
-                self.store.save(session, cut=c, logits=checkpoints[c])
-                saved.append(c)
+        try:
+            self.resident.insert(self.identity_digest, RowsSource.capture(session, len(tokens)))
+            saved = []
+            if self.store is not None:
+                # aligned checkpoints only (see _reuse_plan)
+                for c in sorted(checkpoints):
+                    self.store.save(session, cut=c, logits=checkpoints[c])
+                    saved.append(c)
+        except KvpackError as exc:  # a full store degrades only this save
+            receipt["remembered"] = {"error": f"{exc.category}: {exc.message}"[:500]}
+            return
         receipt["remembered"] = {"resident_tokens": len(tokens), "saved_cuts": saved, "seconds": round(time.perf_counter() - t0, 4)}
+
+
+class _Job:
+    """One accepted request: generations, stripes, prefill, shipping, acks."""
+
+    def __init__(self, node: ProducerNode, ctl, req: ControlRequestV1, receiver, ext: dict, receipt: dict) -> None:
+        self.node, self.ctl, self.req, self.receiver, self.receipt = node, ctl, req, receiver, receipt
+        prompt = list(req.prompt_token_ids)
+        self.prompt = prompt
+        self.position = len(prompt) - 1  # the receiver holds back the boundary token
+        self.tokens = prompt[: self.position]
+        hint = ext.get(EXT_PREFIX_CUT, 0)
+        self.cut = hint if hint and hint % 256 == 0 and 0 < hint < self.position else 0
+        self.schedule = list(schedule_span(node.layout, self.position, self.cut))
+        self.count = stripe_count(ext.get(EXT_STRIPES, 1), node.max_stripes, len(self.schedule))
+        self.stripes: list[_StripeOut] = []
+        self.ns: dict[str, int] = {}
+        self.session: Any = None
+        self.checkpoints: dict[int, bytes] = {}
+        self.next_tile = 0
+        self.control_receipt: Any = None
+
+    def run(self) -> "_Job":
+        node = self.node
+        assert node.ledger is not None  # opened by bind()
+        gens = node.ledger.take_many(self.count)  # durable before use: never reused
+        self.receipt.update(
+            transfer_id=stripe_transfer_id(self.req.request_id, gens[0], 0, self.count),
+            generation=gens[0],
+            generations=gens,
+            stripes=self.count,
+            position=self.position,
+            prefix_cut=self.cut,
+        )
+        self.ns["transfer_start"] = time.time_ns()
+        try:
+            self._open_stripes(gens)
+            t_pf = time.perf_counter()
+            reused, tier = self._prefill_and_ship()
+            prefill_s = time.perf_counter() - t_pf
+            self._finish_stripes()
+        except BaseException:
+            self._abort_stripes()
+            raise
+        finally:
+            for s in self.stripes:
+                s.channel.close()
+        self._account(reused, tier, prefill_s)
+        return self
+
+    def _manifest(self, gen: int, index: int) -> BeginManifestV2:
+        node, created = self.node, now_ms()
+        return BeginManifestV2(
+            protocol=PROTOCOL,
+            transfer_id=stripe_transfer_id(self.req.request_id, gen, index, self.count),
+            generation=gen,
+            created_unix_ms=created,
+            expires_unix_ms=created + EXPIRY_MS,
+            identity=node.exact,
+            prompt_token_ids=tuple(self.tokens),
+            multimodal=None,
+            hmac=HmacRef(self.receiver.hmac_key_id, self.receiver.hmac_epoch),
+            components=(ComponentV2("target", "target_kv", True, node.target),),
+            segments=(),
+            deferred_segments=True,
+        )
+
+    def _open_stripes(self, gens: list[int]) -> None:
+        node = self.node
+        ep, ctx = node._data[self.receiver.name]
+        key = node._keys[self.receiver.name]
+        for i, gen in enumerate(gens):
+            sender = Sender(self._manifest(gen, i), key, prefix_cut=self.cut, hash_executor=node._hash_pool)
+            chan = connect(ep, self.req.receiver_host, self.req.receiver_port, context=ctx)
+            stripe = _StripeOut(i, sender, chan)
+            self.stripes.append(stripe)
+            self._write(stripe, sender.begin())
+        for stripe in self.stripes:
+            stripe.thread = threading.Thread(target=self._stripe_loop, args=(stripe,), name=f"kvpack-producer-stripe-{stripe.index}", daemon=True)
+            stripe.thread.start()
+
+    def _write(self, stripe: _StripeOut, buffers) -> None:
+        t = time.perf_counter_ns()
+        for b in buffers:
+            if self.node.wire_tap is not None:
+                self.node.wire_tap(bytes(b))
+            self.node._send(stripe.channel, b)
+        stripe.wire_ns += time.perf_counter_ns() - t
+
+    def _stripe_loop(self, stripe: _StripeOut) -> None:
+        """Hash, frame and write this stripe's tiles; then seal and await its one ack."""
+        try:
+            while True:
+                item = stripe.q.get()
+                if item is None:
+                    break
+                payload, seg = item
+                if callable(payload):  # a tile of a resident prefix: packed here, in parallel
+                    payload = payload()
+                self._write(stripe, stripe.sender.send_segment(payload, seg))
+                if not stripe.first_segment_ns:
+                    stripe.first_segment_ns = time.time_ns()
+            self._write(stripe, stripe.sender.seal())
+            self._await_ack(stripe)
+        except BaseException as exc:  # noqa: BLE001 - reported by the job thread (_check)
+            stripe.error = exc
+
+    def _await_ack(self, stripe: _StripeOut) -> None:
+        stripe.channel.settimeout(ACK_WAIT_S)
+        ack = None
+        while ack is None:
+            chunk = stripe.channel.recv(4096)
+            if not chunk:
+                raise ProtocolError("aborted", f"receiver closed stripe {stripe.index} without an ack")
+            ack = stripe.sender.receive_data(chunk)
+        stripe.acked_ns = time.time_ns()
+
+    def _check(self) -> None:
+        for s in self.stripes:
+            if s.error is not None:
+                raise s.error
+        if readable(self.ctl.sock):  # errata H2: the receiver spoke or left: cancel
+            raise _Cancelled()
+
+    def _put(self, payload, seg) -> None:
+        stripe = self.stripes[self.next_tile % self.count]
+        while True:
+            self._check()
+            try:
+                stripe.q.put((payload, seg), timeout=0.1)
+                break
+            except queue.Full:
+                continue
+        self.next_tile += 1
+
+    def _ship_ready(self, s, upto: int) -> None:
+        """Queue every scheduled tile whose rows ``s`` holds below ``upto``."""
+        self._check()
+        while self.next_tile < len(self.schedule):
+            seg = self.schedule[self.next_tile]
+            if seg.logical_start + seg.logical_count > upto:
+                break
+            self._put(pack_tile(s, self.node.geometry, seg.logical_start, seg.logical_count), seg)
+
+    def _prefill_and_ship(self) -> tuple[int, str]:
+        node = self.node
+        cut, tier, source = node._reuse_plan(self.prompt)
+        if tier == "resident":
+            # tiles the resident prefix holds leave at once (packed on the stripe threads)
+            # while the prefix is copied into this job's session for the rest of the prefill
+            while self.next_tile < len(self.schedule):
+                seg = self.schedule[self.next_tile]
+                if seg.logical_start + seg.logical_count > cut:
+                    break
+                self._put(lambda seg=seg, geometry=node.geometry: pack_tile(source, geometry, seg.logical_start, seg.logical_count), seg)
+        session = self.session = node.engine.new_session()
+        self.ns["prefill_start"] = time.time_ns()
+        reused, tier = node._install_prefix(session, self.prompt, cut, tier, source)
+
+        def on_chunk(s) -> None:
+            if s.position % 256 == 0 and s.position > reused and node.store is not None:
+                self.checkpoints[s.position] = bytes(s.export_logits())
+            self._ship_ready(s, s.position)
+
+        on_chunk(session)  # tiles of an installed prefix beyond the cut leave at once
+        session.prefill(self.tokens[session.position :], chunk_size=chunk_tokens(node.engine), on_chunk=on_chunk)
+        self.ns["prefill_end"] = time.time_ns()
+        self._ship_ready(session, session.position)
+        self.ns["state_saved"] = time.time_ns()
+        return reused, tier
+
+    def _finish_stripes(self) -> None:
+        for s in self.stripes:
+            self._put_end(s)
+        for s in self.stripes:
+            assert s.thread is not None
+            while s.thread.is_alive():
+                s.thread.join(timeout=0.1)
+                if readable(self.ctl.sock):
+                    raise _Cancelled()
+            if s.error is not None:
+                raise s.error
+        self.ns["transfer_acked"] = max(s.acked_ns for s in self.stripes)
+
+    def _put_end(self, stripe: _StripeOut) -> None:
+        while True:
+            if stripe.error is not None:
+                raise stripe.error
+            try:
+                stripe.q.put(None, timeout=0.1)
+                return
+            except queue.Full:
+                self._check()
+
+    def _abort_stripes(self) -> None:
+        for s in self.stripes:
+            try:
+                s.q.put_nowait(None)  # a stripe thread waiting for work has an empty queue
+            except queue.Full:
+                pass
+            try:
+                for b in s.sender.abort():
+                    s.channel.sendall(b)
+            except (KvpackError, OSError):
+                pass
+            s.channel.close()  # unblocks a sender thread stuck in a write
+        for s in self.stripes:
+            if s.thread is not None:
+                s.thread.join(timeout=5)
+
+    def _account(self, reused: int, tier: str, prefill_s: float) -> None:
+        node, stripes = self.node, self.stripes
+        prefilled = self.position - reused
+        node.metrics.prefilled.labels("producer").inc(prefilled)
+        node.metrics.reused.labels("producer", tier).inc(reused)
+        wire_ns = max(s.wire_ns for s in stripes)
+        node.metrics.phases({"prefill": prefill_s, "wire": wire_ns / 1e9})
+        payload = sum(s.sender.bytes_sent for s in stripes)
+        first = min(s.first_segment_ns for s in stripes if s.first_segment_ns)
+        self.receipt.update(
+            reused_tokens=reused,
+            reuse_tier=tier,
+            prefilled_tokens=prefilled,
+            segments=sum(s.sender.segments_sent for s in stripes),
+            payload_bytes=payload,
+            begin_sha256=stripes[0].sender.manifest.begin_sha256(),
+            seal=None if stripes[0].sender.seal_manifest is None else stripes[0].sender.seal_manifest.to_json(),
+            stripe_detail=[
+                {
+                    "index": s.index,
+                    "transfer_id": s.sender.manifest.transfer_id,
+                    "segments": s.sender.segments_sent,
+                    "payload_bytes": s.sender.bytes_sent,
+                    "wire_s": round(s.wire_ns / 1e9, 6),
+                }
+                for s in stripes
+            ],
+        )
+        self.control_receipt = ControlReceipt(
+            prefill_start_unix_ns=self.ns["prefill_start"],
+            prefill_end_unix_ns=self.ns["prefill_end"],
+            state_saved_unix_ns=self.ns["state_saved"],
+            transfer_start_unix_ns=self.ns["transfer_start"],
+            first_segment_sent_unix_ns=first,
+            transfer_acked_unix_ns=self.ns["transfer_acked"],
+            prefill_tokens=prefilled,
+            payload_bytes=payload,
+            payload_wire_ns=max(1, wire_ns),
+        )
 
 
 def digest_tokens(tokens) -> str:
