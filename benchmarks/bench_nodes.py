@@ -1,0 +1,322 @@
+"""Benchmark: the node tier through the real daemons (``kvpack producer`` -> ``kvpack receiver``
+subprocesses on loopback, mutual TLS, the arrays engine), against peers measured in the same run.
+
+Part 1, ``sessions`` (one JSON line per concurrency in ``--sessions``, default 1,4,16): that
+many clients each send ``--requests`` distinct prompts of ``--session-tokens`` tokens over the
+decode node's local API at once (every request a full handoff: plan, control request,
+prefill, sealed transfer, verified install, boundary token, ``--decode`` greedy tokens).
+Reported: aggregate payload Gbps (payload bytes of every transfer / wall time of the round)
+and p50/p99 request latency, each as a ratio to the one-session round of the same run.
+
+Part 2, ``handoff`` (one JSON line per stripe count in ``--stripes``, default 1,2,4,8): a
+*resident producer*: one warm-up request of a ``--handoff-mib`` prompt lets the producer keep
+its cache resident; each measured request is that prompt plus two new tokens, so the
+producer prefills only the last chunk and ships the rest from memory, while the decode node
+(resident tier off, one slot) must take a full transfer. Reported: payload Gbps over the
+receiver's wire phase (first stripe admitted -> install committed) and over the whole request,
+vs a raw TLS stream of the same bytes and vs benchmarks/bench_handoff_procs.py's sealed
+stripes (one process per stripe per side) on a payload of the same size and segment size,
+both run by this script in the same run (``--no-peers`` skips them).
+
+Goals (issue 14, H200 host, 16 cores): one stream through the daemons >= 0.9 of the
+benchmark's single sealed stripe (>= 6.5 Gbps), >= 20 Gbps at 4 stripes; sessions: aggregate
+Gbps grows with concurrency while p50 stays near one session's.
+
+    python benchmarks/bench_nodes.py                                        # 2 cores: small sizes
+    python benchmarks/bench_nodes.py --handoff-mib 4096 --session-tokens 1024 --sessions 1,4,16 --stripes 1,2,4,8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import select
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from kvpack.node.common import load_engine  # noqa: E402
+from kvpack.node.local_api import request_local  # noqa: E402
+from kvpack.node.wire import TileGeometry, identity_file_json  # noqa: E402
+from kvpack.security.enroll import Cluster  # noqa: E402
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _emit(line: dict, out: str | None) -> None:
+    text = json.dumps(line, sort_keys=True)
+    print(text, flush=True)
+    if out:
+        with open(out, "a") as fh:
+            fh.write(text + "\n")
+
+
+class Daemon:
+    """A ``kvpack`` daemon subprocess; waits for its one ready line."""
+
+    def __init__(self, args: list[str], log_path: str) -> None:
+        self.log = open(log_path, "w")
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvpack.cli", *args], stdout=subprocess.PIPE, stderr=self.log, text=True)
+
+    def wait_ready(self, timeout: float = 300.0) -> dict:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"daemon exited {self.proc.returncode}: see {self.log.name}")
+            r, _, _ = select.select([self.proc.stdout], [], [], 0.5)
+            if r:
+                line = self.proc.stdout.readline()
+                if line.startswith("{"):
+                    return json.loads(line)
+        raise RuntimeError(f"daemon not ready in {timeout} s: see {self.log.name}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.log.close()
+
+
+def _cluster(root: str, engine) -> Cluster:
+    c = Cluster.init(root, identity=identity_file_json(engine))
+    c.enroll_node("decode-a", "receiver", listen=f"127.0.0.1:{_free_port()}")
+    c.enroll_node("prefill-a", "producer", control_listen=f"127.0.0.1:{_free_port()}")
+    return c
+
+
+def _start(args, root: str, cluster: Cluster, decode_slots: int, resident_mib: int) -> tuple[Daemon, Daemon, str]:
+    common = ["--engine", args.engine, "--no-store", "--no-metrics"]
+    producer = Daemon(
+        ["producer", "--config", cluster.producer_config_path("prefill-a"), *common, "--prefill-slots", str(max(args.sessions_list)), "--max-stripes", "16"],
+        os.path.join(root, "producer.log"),
+    )
+    sock = os.path.join(tempfile.mkdtemp(prefix="kvbn-"), "r.sock")
+    receiver = Daemon(
+        [
+            "receiver",
+            "--config",
+            cluster.receiver_config_path("decode-a", "prefill-a"),
+            *common,
+            "--socket",
+            sock,
+            "--decode-slots",
+            str(decode_slots),
+            "--resident-mib",
+            str(resident_mib),
+        ],
+        os.path.join(root, "receiver.log"),
+    )
+    producer.wait_ready()
+    receiver.wait_ready()
+    return producer, receiver, sock
+
+
+def _request(sock: str, tokens: list[int], decode: int, stripes: int = 1) -> tuple[float, dict]:
+    t0 = time.perf_counter()
+    reply = request_local(sock, {"tokens": tokens, "max_new_tokens": decode, "stripes": stripes}, timeout=1800)
+    dt = time.perf_counter() - t0
+    if not reply.get("ok"):
+        raise RuntimeError(f"request failed: {reply.get('error')}")
+    return dt, reply["result"]
+
+
+def _pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, int(round(q * (len(ordered) - 1)))))]
+
+
+def bench_sessions(args, sock: str, out: str | None) -> None:
+    rng = random.Random(7)
+    base: dict = {}
+    for n in args.sessions_list:
+        prompts = [[rng.randrange(1, 60000) for _ in range(args.session_tokens)] for _ in range(n * args.requests)]
+        lat: list[float] = []
+        payload = [0]
+        errors: list = []
+        lock = threading.Lock()
+
+        def client(k: int) -> None:
+            try:
+                for j in range(args.requests):
+                    dt, res = _request(sock, prompts[k * args.requests + j], args.decode)
+                    with lock:
+                        lat.append(dt)
+                        payload[0] += (res.get("transfer") or {}).get("payload_bytes", 0)
+            except Exception as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=client, args=(k,)) for k in range(n)]
+        t0 = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        wall = time.perf_counter() - t0
+        if errors:
+            raise RuntimeError(f"{len(errors)} clients failed: {errors[0]}")
+        gbps = payload[0] * 8 / wall / 1e9
+        p50, p99 = statistics.median(lat), _pct(lat, 0.99)
+        if not base:
+            base = {"gbps": gbps, "p50": p50, "p99": p99}
+        _emit(
+            {
+                "bench": "nodes_sessions",
+                "sessions": n,
+                "requests": len(lat),
+                "session_tokens": args.session_tokens,
+                "payload_bytes": payload[0],
+                "wall_s": round(wall, 3),
+                "aggregate_payload_gbps": round(gbps, 3),
+                "p50_s": round(p50, 4),
+                "p99_s": round(p99, 4),
+                "gbps_vs_one_session": round(gbps / base["gbps"], 3),
+                "p50_vs_one_session": round(p50 / base["p50"], 3),
+                "p99_vs_one_session": round(p99 / base["p99"], 3),
+                "engine": args.engine,
+                "cpus": os.cpu_count(),
+            },
+            out,
+        )
+
+
+def _wire_s(result: dict) -> float:
+    """Receiver wire phase of a (possibly striped) transfer: first admission to commit."""
+    t = result.get("transfer") or {}
+    stamps = t.get("timestamps") or {}
+    if "admitted_unix_ns" in stamps and "committed_unix_ns" in stamps:
+        return (stamps["committed_unix_ns"] - stamps["admitted_unix_ns"]) / 1e9
+    return float((t.get("durations_s") or {}).get("wire", 0.0))
+
+
+def bench_handoff(args, sock: str, engine, out: str | None) -> list[dict]:
+    geometry = TileGeometry.of(engine.layout)
+    per_token = geometry.tile_bytes(1)
+    tokens = max(512, (args.handoff_mib << 20) // per_token)
+    rng = random.Random(11)
+    prompt = [rng.randrange(1, 60000) for _ in range(tokens)]
+    _request(sock, prompt + [5, 6], 1)  # warm-up: the producer keeps the prompt resident
+    lines = []
+    for k, stripes in enumerate(args.stripes_list):
+        runs = []
+        for rep in range(args.repeat):
+            dt, res = _request(sock, prompt + [100 + k, 200 + rep], 1, stripes)
+            t = res.get("transfer") or {}
+            runs.append((dt, _wire_s(res), t.get("payload_bytes", 0), t.get("stripes", 1), (t.get("producer_receipt") or {}).get("prefill_tokens")))
+        dt = statistics.median(r[0] for r in runs)
+        wire = statistics.median(r[1] for r in runs)
+        payload = runs[0][2]
+        lines.append(
+            {
+                "bench": "nodes_handoff",
+                "stripes": stripes,
+                "stripes_used": runs[0][3],
+                "payload_bytes": payload,
+                "tokens": tokens,
+                "producer_prefill_tokens": runs[0][4],
+                "wire_s": round(wire, 4),
+                "request_s": round(dt, 4),
+                "wire_gbps": round(payload * 8 / wire / 1e9, 3) if wire else None,
+                "request_gbps": round(payload * 8 / dt / 1e9, 3),
+                "repeat": args.repeat,
+                "engine": args.engine,
+                "tile_bytes": geometry.tile_bytes(256),
+                "cpus": os.cpu_count(),
+            }
+        )
+    return lines
+
+
+def peers(args, payload_bytes: int, tile_bytes: int) -> dict[int, dict]:
+    """bench_handoff_procs on the same payload size and segment size, same run."""
+    import bench_handoff_procs as procs
+
+    fd, path = tempfile.mkstemp(prefix="kvpack-bench-nodes-", dir=args.payload_dir)
+    try:
+        import numpy as np
+
+        rng = np.random.default_rng(0)
+        step = 64 << 20
+        with os.fdopen(fd, "wb") as fh:
+            for left in range(payload_bytes, 0, -step):
+                fh.write(rng.integers(0, 256, size=min(step, left), dtype=np.uint8).tobytes())
+        segs = [(off, min(tile_bytes, payload_bytes - off)) for off in range(0, payload_bytes, tile_bytes)]
+        segs = [(off, n - n % 2048) for off, n in segs if n >= 2048]
+        lines = procs.run(path, segs, args.stripes_list, tile_bytes, None, timeout=args.timeout)
+    finally:
+        os.unlink(path)
+    return {line["stripes"]: line for line in lines}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--engine", default="arrays:32:8:128", help="engine spec of both daemons (default arrays:32:8:128)")
+    ap.add_argument("--sessions", default="1,4,16", help="concurrent sessions per round (default 1,4,16)")
+    ap.add_argument("--requests", type=int, default=2, help="requests per session per round (default 2)")
+    ap.add_argument("--session-tokens", type=int, default=128, help="prompt tokens of each session request (default 128)")
+    ap.add_argument("--decode", type=int, default=4, help="tokens decoded per request (default 4)")
+    ap.add_argument("--stripes", default="1,2,4,8", help="stripe counts of the handoff part (default 1,2,4,8)")
+    ap.add_argument("--handoff-mib", type=int, default=256, help="handoff payload size (default 256 MiB; the GPU host: 4096)")
+    ap.add_argument("--repeat", type=int, default=3, help="handoff requests per stripe count; the median is reported")
+    ap.add_argument("--no-peers", action="store_true", help="skip the raw TLS / bench_handoff_procs peers")
+    ap.add_argument("--skip-sessions", action="store_true")
+    ap.add_argument("--skip-handoff", action="store_true")
+    ap.add_argument("--payload-dir", default="/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
+    ap.add_argument("--timeout", type=float, default=900.0)
+    ap.add_argument("--out", help="also append the JSON lines to this file")
+    args = ap.parse_args(argv)
+    args.sessions_list = [int(x) for x in args.sessions.split(",") if x.strip()]
+    args.stripes_list = [int(x) for x in args.stripes.split(",") if x.strip()]
+    engine = load_engine(args.engine)
+    root = tempfile.mkdtemp(prefix="kvpack-bench-nodes-")
+    try:
+        cluster = _cluster(os.path.join(root, "cluster"), engine)
+        if not args.skip_sessions:
+            producer, receiver, sock = _start(args, root, cluster, max(args.sessions_list), 0)
+            try:
+                bench_sessions(args, sock, args.out)
+            finally:
+                receiver.stop()
+                producer.stop()
+        if not args.skip_handoff:
+            producer, receiver, sock = _start(args, root, cluster, 1, 0)
+            try:
+                lines = bench_handoff(args, sock, engine, args.out)
+            finally:
+                receiver.stop()
+                producer.stop()
+            ref = {} if args.no_peers else peers(args, lines[0]["payload_bytes"], lines[0]["tile_bytes"])
+            one = ref.get(1, {}).get("sealed_gbps")
+            for line in lines:
+                p = ref.get(line["stripes"], {})
+                line.update(
+                    procs_sealed_gbps=p.get("sealed_gbps"),
+                    raw_tls_gbps=p.get("raw_tls_gbps"),
+                    wire_vs_procs_sealed=round(line["wire_gbps"] / p["sealed_gbps"], 3) if p.get("sealed_gbps") and line["wire_gbps"] else None,
+                    wire_vs_raw_tls=round(line["wire_gbps"] / p["raw_tls_gbps"], 3) if p.get("raw_tls_gbps") and line["wire_gbps"] else None,
+                    wire_vs_procs_one_stripe=round(line["wire_gbps"] / one, 3) if one and line["wire_gbps"] else None,
+                )
+                _emit(line, args.out)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
