@@ -142,36 +142,47 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, int(round(q * (len(ordered) - 1)))))]
 
 
-def bench_sessions(args, sock: str, out: str | None) -> None:
-    rng = random.Random(7)
-    base: dict = {}
-    for n in args.sessions_list:
-        prompts = [[rng.randrange(1, 60000) for _ in range(args.session_tokens)] for _ in range(n * args.requests)]
-        lat: list[float] = []
-        payload = [0]
-        errors: list = []
-        lock = threading.Lock()
+class _Round:
+    """One round of ``n`` concurrent sessions: latencies and payload bytes of every request."""
 
-        def client(k: int) -> None:
-            try:
-                for j in range(args.requests):
-                    dt, res = _request(sock, prompts[k * args.requests + j], args.decode)
-                    with lock:
-                        lat.append(dt)
-                        payload[0] += (res.get("transfer") or {}).get("payload_bytes", 0)
-            except Exception as exc:  # noqa: BLE001 - reported below
-                errors.append(exc)
+    def __init__(self, sock: str, prompts: list[list[int]], requests: int, decode: int) -> None:
+        self.sock, self.prompts, self.requests, self.decode = sock, prompts, requests, decode
+        self.lat: list[float] = []
+        self.payload = 0
+        self.errors: list[BaseException] = []
+        self.lock = threading.Lock()
 
-        threads = [threading.Thread(target=client, args=(k,)) for k in range(n)]
+    def client(self, k: int) -> None:
+        try:
+            for j in range(self.requests):
+                dt, res = _request(self.sock, self.prompts[k * self.requests + j], self.decode)
+                with self.lock:
+                    self.lat.append(dt)
+                    self.payload += (res.get("transfer") or {}).get("payload_bytes", 0)
+        except Exception as exc:  # noqa: BLE001 - reported by run()
+            self.errors.append(exc)
+
+    def run(self, n: int) -> float:
+        threads = [threading.Thread(target=self.client, args=(k,)) for k in range(n)]
         t0 = time.perf_counter()
         for t in threads:
             t.start()
         for t in threads:
             t.join()
-        wall = time.perf_counter() - t0
-        if errors:
-            raise RuntimeError(f"{len(errors)} clients failed: {errors[0]}")
-        gbps = payload[0] * 8 / wall / 1e9
+        if self.errors:
+            raise RuntimeError(f"{len(self.errors)} clients failed: {self.errors[0]}")
+        return time.perf_counter() - t0
+
+
+def bench_sessions(args, sock: str, out: str | None) -> None:
+    rng = random.Random(7)
+    base: dict = {}
+    for n in args.sessions_list:
+        prompts = [[rng.randrange(1, 60000) for _ in range(args.session_tokens)] for _ in range(n * args.requests)]
+        rnd = _Round(sock, prompts, args.requests, args.decode)
+        wall = rnd.run(n)
+        lat = rnd.lat
+        gbps = rnd.payload * 8 / wall / 1e9
         p50, p99 = statistics.median(lat), _pct(lat, 0.99)
         if not base:
             base = {"gbps": gbps, "p50": p50, "p99": p99}
@@ -181,7 +192,7 @@ def bench_sessions(args, sock: str, out: str | None) -> None:
                 "sessions": n,
                 "requests": len(lat),
                 "session_tokens": args.session_tokens,
-                "payload_bytes": payload[0],
+                "payload_bytes": rnd.payload,
                 "wall_s": round(wall, 3),
                 "aggregate_payload_gbps": round(gbps, 3),
                 "p50_s": round(p50, 4),

@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from .. import strictjson
+from ..vocab import strict_json_loads
 from ..errors import KvpackError, ProtocolError, SecurityError, UsageError
 from .common import verdict_of
 from .transport import socket_owner_alive
@@ -199,7 +199,7 @@ def _int_field(req: dict, name: str, default: int, lo: int, hi: int) -> int:
 def parse_request(data: bytes, limits: ApiLimits, max_prompt_tokens: int) -> dict[str, Any]:
     """The checked request: ``tokens`` or ``prompt``, ``max_new_tokens`` and the flags."""
     try:
-        req = strictjson.loads(data)
+        req = strict_json_loads(data)
     except (ValueError, UnicodeDecodeError) as exc:
         raise UsageError("usage", f"a local API request is one JSON object: {exc}") from None
     if not isinstance(req, dict):

@@ -53,6 +53,7 @@ from typing import Any, Optional
 from ..durable import atomic_write, ensure_dir
 from ..errors import KvpackError, ProtocolError, SecurityError
 from ..handoff import canonical_json as cj
+from ..handoff.hashing import INLINE
 from ..handoff.control import ControlDecoder, ControlReceipt, ControlRequestV1, ControlResponse
 from ..handoff.manifest import PROTOCOL, BeginManifestV2, ComponentV2, HmacRef
 from ..handoff.schedule import schedule_span
@@ -483,7 +484,7 @@ class _Job:
         ep, ctx = node._data[self.receiver.name]
         key = node._keys[self.receiver.name]
         for i, gen in enumerate(gens):
-            sender = Sender(self._manifest(gen, i), key, prefix_cut=self.cut, hash_executor=node._hash_pool)
+            sender = Sender(self._manifest(gen, i), key, prefix_cut=self.cut, hash_executor=node._hash_pool or INLINE)
             chan = connect(ep, self.req.receiver_host, self.req.receiver_port, context=ctx)
             stripe = _StripeOut(i, sender, chan)
             self.stripes.append(stripe)
