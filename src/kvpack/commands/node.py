@@ -15,7 +15,7 @@ import sys
 import threading
 
 from ._args import check_unix_socket_path, existing_file, max_new_tokens, not_a_file, port, port_or_zero, positive_float, socket_address, threads
-from ._args import duration, engine_spec, refuse_ignored, unix_socket_path
+from ._args import duration, engine_spec, int_range, nonneg_int, positive_int, refuse_ignored, unix_socket_path
 
 METRICS_LISTEN_DEFAULT = "127.0.0.1:0"
 
@@ -62,12 +62,21 @@ def _refuse_ignored_daemon_flags(args: argparse.Namespace) -> None:
         refuse_ignored(metrics, because="--no-metrics")
 
 
+def _limits(args):
+    from ..node.transport import Limits
+
+    return Limits(max_connections=args.max_connections, max_handshakes=max(1, args.max_connections // 2), handshake_s=args.handshake_timeout)
+
+
 def cmd_receiver(args: argparse.Namespace) -> int:
+    """Fail fast (issue 14): configs, store, ledgers + volume probes, ports and the API socket
+    are checked and bound *before* the model loads; then the engine, then serving."""
+    from ..node.local_api import ApiLimits
     from ..node.receiver import ReceiverNode
     from ..security.config import load_receiver_config
 
     _refuse_ignored_daemon_flags(args)
-    cfg = load_receiver_config(args.config)
+    cfgs = [load_receiver_config(path) for path in args.config]
     if args.listen:
         # e.g. a qualification receiver on port 0 next to the node's serving daemon
         import dataclasses
@@ -75,33 +84,31 @@ def cmd_receiver(args: argparse.Namespace) -> int:
         from ..security.config import parse_socket_address
 
         listen_host, listen_port = parse_socket_address(args.listen, "--listen")
-        cfg = dataclasses.replace(cfg, listen_host=listen_host, listen_port=listen_port)
+        cfgs = [dataclasses.replace(c, listen_host=listen_host, listen_port=listen_port) for c in cfgs]
+    cfg = cfgs[0]
     base = os.path.dirname(cfg.path)
     socket_path = args.socket or os.path.join(base, "state", "receiver.sock")
     check_unix_socket_path(socket_path)
     metrics_host, metrics_tls = _metrics_listener(args, cfg.data_endpoint())
-    probe = None
-    if args.ledger_max_tail_ms is not None:
-        # the bind-time ledger-volume gate with the operator's limit (default: the daemon's 100 ms)
-        from ..security.probe import check_ledger_volume
-
-        os.makedirs(os.path.dirname(cfg.replay_ledger), mode=0o700, exist_ok=True)
-        probe = check_ledger_volume(cfg.replay_ledger, max_tail_ms=args.ledger_max_tail_ms)
-    engine = _engine(args)
     store = None if args.no_store else _store(args.store, os.path.join(base, "state", "store"))
     node = ReceiverNode(
-        cfg,
-        engine,
+        cfgs,
+        None,
         receipts_dir=args.receipts or os.path.join(base, "receipts"),
         store=store,
         metrics_port=_metrics_port(args),
         advertised_port=args.advertise_port,
         socket_path=socket_path,
-        check_volume=probe is None,
+        resident_bytes=args.resident_mib << 20,
+        decode_slots=args.decode_slots,
+        stripes=args.stripes,
+        limits=_limits(args),
+        api_limits=ApiLimits(max_request_bytes=args.max_request_bytes, max_new_tokens=args.max_new_tokens_limit),
+        slot_wait_s=args.slot_wait,
     )
-    node.probe = probe if probe is not None else node.probe
     _prepare_metrics(node, metrics_host, metrics_tls, args)
-    _start(node)
+    _bind(node)
+    _start(node, _engine(args))
     ready = {
         "ready": True,
         "role": "receiver",
@@ -109,6 +116,8 @@ def cmd_receiver(args: argparse.Namespace) -> int:
         "metrics_port": node.metrics.port,
         "metrics_url": _metrics_url(node),
         "socket": node.socket_path,
+        "producers": [link.name for link in node.links],
+        "decode_slots": node.decode_slot_count,
         "ledger_probe_max_ms": None if node.probe is None else round(node.probe.max_ms, 3),
     }
     _announce(ready)
@@ -123,26 +132,42 @@ def cmd_producer(args: argparse.Namespace) -> int:
     cfg = load_producer_config(args.config)
     base = os.path.dirname(cfg.path)
     metrics_host, metrics_tls = _metrics_listener(args, cfg.control_endpoint())
-    engine = _engine(args)
     store = None if args.no_store else _store(args.store, os.path.join(base, "state", "store"))
     node = ProducerNode(
         cfg,
-        engine,
+        None,
         receipts_dir=args.receipts or os.path.join(base, "receipts"),
         store=store,
         metrics_port=_metrics_port(args),
         pacing_bytes_per_s=args.pacing_bytes_per_s,
+        resident_bytes=args.resident_mib << 20,
+        limits=_limits(args),
+        prefill_slots=args.prefill_slots,
+        max_stripes=args.max_stripes,
     )
     _prepare_metrics(node, metrics_host, metrics_tls, args)
-    _start(node)
+    _bind(node)
+    _start(node, _engine(args))
     _announce({"ready": True, "role": "producer", "control_port": node.control_port, "metrics_port": node.metrics.port, "metrics_url": _metrics_url(node)})
     return _serve_until_signal(node.stop)
 
 
-def _start(node) -> None:
-    """Start a daemon; if any listener fails to bind, release what the others bound."""
+def _bind(node) -> None:
+    """Everything that can fail without a model (locks, ports, sockets, volume probes)."""
     try:
-        node.start()
+        node.bind()
+    except BaseException:
+        try:
+            node.stop()
+        except Exception:  # noqa: BLE001 - the bind failure is what the operator must see
+            pass
+        raise
+
+
+def _start(node, engine=None) -> None:
+    """Start a daemon; if anything fails, release what it bound."""
+    try:
+        node.start(engine)
     except BaseException:
         try:
             node.stop()
@@ -194,12 +219,16 @@ def _announce(ready: dict) -> None:
 def cmd_request(args: argparse.Namespace) -> int:
     from ..cli_errors import CommandFailed
     from ..errors import NetworkError
-    from ..node.receiver import request_local
+    from ..node.local_api import request_local
     from ._args import read_token_ids
 
     if args.tokens_file:
         refuse_ignored([("--raw", args.raw)], because="--tokens-file (token ids are used verbatim)")
     payload: dict = {"max_new_tokens": args.max_new_tokens, "save": args.save, "chat": not args.raw}
+    if args.stripes is not None:
+        payload["stripes"] = args.stripes
+    if args.producer is not None:
+        payload["producer"] = args.producer
     if args.ignore_eos:
         payload["stop_at_eos"] = False
     if args.tokens_file:
@@ -242,8 +271,17 @@ def _spec_help() -> str:
     return SPEC_HELP
 
 
-def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", required=True, type=existing_file, help="node config written by kvpack enroll")
+def _common(p: argparse.ArgumentParser, *, many_configs: bool = False) -> None:
+    if many_configs:
+        p.add_argument(
+            "--config",
+            required=True,
+            type=existing_file,
+            action="append",
+            help="receiver config written by kvpack enroll (repeat it, one per enrolled producer, to serve several producers from one node and port)",
+        )
+    else:
+        p.add_argument("--config", required=True, type=existing_file, help="node config written by kvpack enroll")
     p.add_argument("--engine", type=engine_spec, default="smollm2", help=_spec_help())
     p.add_argument("--threads", type=threads, help="torch threads (part of the engine identity: every node the same; default: the engine's default)")
     p.add_argument("--store", type=not_a_file, help="pack store directory (default: <config dir>/state/store, created)")
@@ -264,9 +302,28 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.set_defaults(log_default="info")
 
 
+def _limit_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--resident-mib", type=nonneg_int, default=1024, help="memory for prefixes kept resident for reuse (MiB; 0: none)")
+    p.add_argument(
+        "--max-connections", type=positive_int, default=512, help="connections held on the listener in any state (half of them may be in their TLS handshake)"
+    )
+    p.add_argument("--handshake-timeout", type=duration, default=5.0, help="seconds a peer has to finish its whole TLS handshake")
+
+
 def register(sub) -> None:
     p = sub.add_parser("receiver", help="run the decode node (Handoff V2 receiver) daemon")
-    _common(p)
+    _common(p, many_configs=True)
+    _limit_flags(p)
+    p.add_argument("--decode-slots", type=int_range(1, 256), default=4, help="requests served at once (one engine session each)")
+    p.add_argument(
+        "--stripes",
+        type=int_range(1, 16),
+        default=1,
+        help="connections a handoff may be striped over (a producer that does not speak kvpack's extension sends one)",
+    )
+    p.add_argument("--max-new-tokens-limit", type=int_range(1, 1 << 16), default=4096, help="the largest max_new_tokens a request may ask for")
+    p.add_argument("--max-request-bytes", type=int_range(1 << 10, 1 << 30), default=8 << 20, help="the largest local API request line")
+    p.add_argument("--slot-wait", type=duration, default=60.0, help="seconds a request waits for a free decode slot before it is refused")
     p.add_argument("--socket", type=unix_socket_path, help="local API Unix socket (default: <config dir>/state/receiver.sock)")
     p.add_argument("--advertise-port", type=port, help="data port to advertise in requests (NAT, proxies; default: the bound data port)")
     p.add_argument(
@@ -283,6 +340,9 @@ def register(sub) -> None:
 
     p = sub.add_parser("producer", help="run the prefill node (Handoff V2 producer) daemon")
     _common(p)
+    _limit_flags(p)
+    p.add_argument("--prefill-slots", type=int_range(1, 256), default=4, help="requests prefilled at once (more are answered failed: busy)")
+    p.add_argument("--max-stripes", type=int_range(1, 16), default=8, help="most connections one handoff is striped over when a receiver asks")
     p.add_argument("--pacing-bytes-per-s", type=positive_float, help="pace data writes (upstream paces at 1e9 B/s; default: unpaced)")
     p.set_defaults(func=cmd_producer, extras=("node",))
 
@@ -296,6 +356,8 @@ def register(sub) -> None:
     p.add_argument("--ignore-eos", action="store_true", help="decode exactly --max-new-tokens tokens (do not stop at end-of-sequence)")
     p.add_argument("--save", action="store_true", help="also save the prompt's cut to the receiver's pack store")
     p.add_argument("--timeout", type=duration, default=900.0, help="seconds to wait for the reply")
+    p.add_argument("--stripes", type=int_range(1, 16), help="stripe the handoff over this many connections (default: the node's --stripes)")
+    p.add_argument("--producer", help="ask this enrolled producer (default: the node picks one)")
     p.set_defaults(func=cmd_request, extras=("node",))
 
 

@@ -27,9 +27,38 @@ def verdict_of(exc: BaseException) -> tuple[str, str]:
     return "internal", f"{type(exc).__name__}: {exc}"
 
 
-def greedy(session, n: int, stop_token_ids: Sequence[int] = ()):
-    """Greedy decode ``n`` tokens on any adapter session; returns (tokens, logits rows)."""
-    return session.decode_greedy(n, stop_token_ids=stop_token_ids)
+def greedy(session, n: int, stop_token_ids: Sequence[int] = (), cancel: Any = None):
+    """Greedy decode ``n`` tokens on any adapter session; returns (tokens, logits rows).
+
+    With a ``cancel`` token (``.check()`` raises once cancelled) the tokens are decoded one
+    step at a time and the token is checked between steps, so a request whose client went
+    away frees its slot within one decode step. One step at a time is the same computation
+    (each step forwards the token chosen from the previous row)."""
+    if cancel is None:
+        return session.decode_greedy(n, stop_token_ids=stop_token_ids)
+    stops = {int(t) for t in stop_token_ids}
+    tokens: list[int] = []
+    rows: list = []
+    for _ in range(n):
+        cancel.check()
+        step_tokens, step_rows = session.decode_greedy(1, stop_token_ids=stop_token_ids)
+        tokens += step_tokens
+        rows += step_rows
+        if step_tokens and step_tokens[-1] in stops:
+            break
+    return tokens, rows
+
+
+def refusal_error(category: str, message: str) -> KvpackError:
+    """A typed error for a refusal recorded elsewhere (another thread's receipt): the class
+    that owns ``category``, so the user sees the receiver's true reason (``pin``,
+    ``certificate``, ``layout`` ...), never a generic one."""
+    from ..errors import EngineError, NetworkError, SecurityError, StoreError
+
+    for cls in (ProtocolError, SecurityError, EngineError, StoreError, NetworkError):
+        if category in cls.CATEGORIES:
+            return cls(category, message)
+    return ProtocolError("aborted", f"{category}: {message}")
 
 
 def logits_bytes(rows) -> bytes:

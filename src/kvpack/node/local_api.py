@@ -204,10 +204,20 @@ def parse_request(data: bytes, limits: ApiLimits, max_prompt_tokens: int) -> dic
         raise UsageError("usage", f"a local API request is one JSON object: {exc}") from None
     if not isinstance(req, dict):
         raise UsageError("usage", "a local API request is one JSON object")
-    unknown = set(req) - {"tokens", "prompt", "max_new_tokens", "save", "chat", "stop_at_eos", "session"}
+    unknown = set(req) - {"tokens", "prompt", "max_new_tokens", "save", "chat", "stop_at_eos", "session", "stripes", "producer", "op"}
     if unknown:
         raise UsageError("usage", f"unknown request fields {sorted(unknown)[:5]}")
+    if "op" in req:
+        if req["op"] != "sessions" or len(req) != 1:
+            raise UsageError("usage", 'the only operation is {"op": "sessions"}')
+        return {"op": "sessions"}
     out: dict[str, Any] = {"max_new_tokens": _int_field(req, "max_new_tokens", 32, 0, limits.max_new_tokens)}
+    if "stripes" in req:
+        out["stripes"] = _int_field(req, "stripes", 1, 1, 16)
+    if "producer" in req:
+        if not isinstance(req["producer"], str) or not 0 < len(req["producer"]) <= 253:
+            raise UsageError("usage", "producer must be a name of 1..253 characters")
+        out["producer"] = req["producer"]
     for flag, default in (("save", False), ("chat", True), ("stop_at_eos", True)):
         value = req.get(flag, default)
         if type(value) is not bool:

@@ -215,6 +215,7 @@ class ProducerNode:
         self._data = {name: (ep, client_context(ep)) for name, ep in endpoints.items()}
         self._sock = bind_tcp(cfg.control_listen_host, cfg.control_listen_port, "control listener")
         self.control_port = self._sock.getsockname()[1]
+        self._serve_metrics()
         self._bound = True
         return self
 
@@ -237,9 +238,15 @@ class ProducerNode:
         )
         self.listener.start()
         attach_producer(self)  # status page sections and readiness checks
-        if self._metrics_port is not None:
-            self.metrics.serve(self._metrics_port)
         return self
+
+    def _serve_metrics(self) -> None:
+        """The observability listener binds with the other ports (fail fast); until
+        :meth:`start` finished, /readyz says the engine is still loading."""
+        if self._metrics_port is None or self.metrics.port is not None:
+            return
+        self.metrics.status.ready_check("started", lambda: (self.listener is not None, "serving" if self.listener is not None else "loading the engine"))
+        self.metrics.serve(self._metrics_port)
 
     def stop(self) -> None:
         if self.listener is not None:
@@ -272,7 +279,8 @@ class ProducerNode:
             self.metrics.refusal(reason)
         finally:
             job = receipt.pop("_job", None)
-            receipt["receipt_path"] = self.receipts.write({k: v for k, v in receipt.items() if not k.startswith("_")})
+            if "receipt_path" not in receipt:
+                receipt["receipt_path"] = self.receipts.write({k: v for k, v in receipt.items() if not k.startswith("_")})
             if job is not None:
                 self._remember(receipt, job)  # off the critical path: the reply went out
 
@@ -336,10 +344,16 @@ class ProducerNode:
             except (KvpackError, OSError):
                 pass
             return
-        self._respond(ctl, frames, ControlResponse(rid, "committed", receipt=job.control_receipt))
+        # the receipt is evidence of a committed transfer (every stripe acked): it is on disk
+        # before the answer leaves, so whoever reads the answer finds it
+        answer = ControlResponse(rid, "committed", receipt=job.control_receipt)
+        data = answer.encode()
+        frames.append({"dir": "sent", "type": "committed", "bytes": len(data)})
         receipt.update(verdict="committed", receipt=job.control_receipt.to_json())
+        receipt["receipt_path"] = self.receipts.write(dict(receipt))
         self.metrics.transfer("committed", job.control_receipt.payload_bytes)
         receipt["_job"] = job
+        ctl.sendall(data)
 
     # -- reuse ----------------------------------------------------------------------------
 

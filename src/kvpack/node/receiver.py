@@ -1,168 +1,84 @@
-"""The decode node (``kvpack receiver``): Handoff V2 over mutual TLS into a live engine session.
+"""The decode node (``kvpack receiver``): the engine-owning server of Handoff V2.
 
-Figure 30.1 of seed 003, steps 1 and 3-10 from this side:
+Figure 30.1 of seed 003, steps 1 and 3-10 from this side, for many requests at once:
 
-1. a prompt arrives (local API); the reuse ladder (:mod:`.ladder`) serves it locally, arms
-   a delta, or asks for a full transfer; the node writes one MUPCTL1 request on the control
-   ALPN (with its own leaf), reads ``accepted`` and then keeps that connection open and
-   silent (errata H2) -- the data listener was bound at start-up (errata M9);
-3. the producer connects back on the data ALPN; the TLS layer proves *who* (TLS 1.3, CA,
-   leaf pin, exact ALPN) before a byte of protocol is read; a refused handshake is a receipt;
-4-6. the sans-I/O :class:`kvpack.handoff.Receiver` checks everything of C.4/C.8 in the
-   spec's order (transfer id of the outstanding request, ``replay.admit``, expiry,
-   ``validate_begin``, identity / prompt-minus-boundary / target cache / components
-   admission, ``prefix_cut`` against the held tokens, schedule witness, per-segment digests)
-   while :class:`EngineSink` scatters each verified tile into a *detached* engine install as
-   it arrives (``recv_into`` the decoder's buffer, one copy into the install: memory is one
-   frame plus the detached generation, never the whole transfer);
-7. the seal's HMAC and completeness are verified and the install is prepared (complete);
-8. the replay ledger reserves the generation durably (write, fsync, rename, dir fsync) --
-   the volume was probed at bind time (``check_ledger_volume``);
-9. the install commits atomically into the live session;
-10. the ACK is written and the connection closed without reading further (errata H4).
+1. a prompt arrives (local API, :mod:`.local_api`); the request borrows a *decode slot*
+   (:mod:`.slots`: one engine session per slot, the slot already holding the longest prefix
+   preferred); the reuse ladder (:mod:`.ladder`) serves it locally, arms a delta, or asks a
+   producer for a full transfer: the control client (:mod:`.control`) writes one MUPCTL1
+   request -- with ``kvpack_stripes`` when striping is on -- reads ``accepted`` and keeps
+   the connection open and silent (errata H2); a producer that refuses kvpack's extension
+   keys before ``accepted`` is asked again without them (one stream, full transfer);
+3. the producer connects back on the data ALPN, once per stripe; the shared transport
+   (:mod:`.transport`) proves *who* (TLS 1.3, CA, leaf pin, exact ALPN) under a handshake
+   deadline before a byte of protocol is read; refusals before that are aggregated;
+4-10. :mod:`.inbound` routes each connection to its request by transfer id, runs the
+   sans-I/O receiver (admission in the spec's order, per-segment digests, seal, HMAC,
+   durable reservation through :mod:`.ledger_gate`) and scatters verified segments into the
+   request's one detached install, committed once after every stripe verified; the ACKs go
+   out and nothing more is read (errata H4).
 
-Then the node decodes the held-back boundary token itself and generates greedily. Every
-connection, committed or refused, leaves a JSON receipt (phase timestamps, bytes, digests,
-verdict or refusal reason) written durably, and Prometheus metrics (:mod:`.metrics`).
+Then the node decodes the held-back boundary token itself and generates greedily, checking
+the request's cancel token between steps: a client that goes away frees its slot at once.
 
-Refusals before admission (wrong transfer id, replayed or stale generation, identity
-mismatch, malformed begin) drop that connection and keep waiting until the accept deadline
-(errata M8); refusals after admission fail the request. Nothing is installed before step 9,
-so the live session is exactly as it was after any refusal.
+Several producers, one node: every ``--config`` (one enrolled producer each: its pins, HMAC
+key, replay ledger, control address) becomes a *producer link*; the data listener accepts
+the union of their pins on one port, and a connection's pinned leaf picks its link. Configs
+must agree on the listen address, certificate, key, CA and identity (checked at start).
+
+Startup fails fast (:meth:`ReceiverNode.bind`, before any model is loaded): ledgers locked
+and opened, their volumes probed, the data port and the local API socket bound (an API
+socket served by a live process is never taken over), the metrics listener bound.
+
+**Unsolicited mode** (a link without ``producer_control``, C.15 and errata M8/M9): any of
+its pinned producers may send a transfer; there is no request to bind it to, everything else
+is checked the same. A committed transfer lands in a new *named session* (its transfer id)
+that the local API decodes from (``kvpack request --session``), enters the resident tier and
+is saved as a prefix cut when a store is configured; :attr:`ReceiverNode.landed` hands every
+admitted outcome to ``kvpack receive --once``. Deltas need a held prefix named by a request,
+so in this mode a nonzero ``prefix_cut`` is refused (``delta``).
+
+Nothing is installed before the seal verified and the generation was reserved, so a slot's
+session is exactly as it was after any refusal.
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import os
+import queue
 import socket
-import ssl
 import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 from ..errors import EngineError, KvpackError, ProtocolError, SecurityError, UsageError
-from ..handoff.admission import AdmissionExpectations
-from ..handoff.control import ControlRequestV1, ControlResponse, encode_control
+from ..handoff.control import MAX_PROMPT_TOKENS, ControlRequestV1
 from ..handoff.delta import ReuseAction
-from ..handoff.receiver import Admitted, Committed, Receiver, SegmentStored
-from ..handoff.receiver import ReceiverConfig as HandoffReceiverConfig
 from ..security.config import ReceiverConfig
 from ..security.ledger import ReplayLedger
 from ..security.probe import ProbeResult, check_ledger_volume
-from ..security.tls import client_context, connect, listen, server_context, wrap_accepted
-from ..vocab import is_token_aligned
-from .common import ReceiptWriter, close_listener, greedy, hash_workers, logits_bytes, now_ms, read_control, readable, verdict_of
+from ..security.tls import DATA_ALPN, TlsEndpoint, client_context, server_context
+from .common import greedy, hash_workers, logits_bytes, now_ms, verdict_of
+from .control import EXT_PREFIX_CUT, EXT_STRIPES, MAX_STRIPES, ControlClient, ControlSession, RequestRefused
+from .inbound import FIRST_FRAME_S, InboundRun, Outcome, Pending, Router, first_frame
 from .ladder import DurableMiss, HeldPrefix, Ladder, Plan, ResidentRadix, RowsSource
+from .ledger_gate import LedgerGuard
+from .local_api import NEVER, ApiLimits, ApiSocket, CancelToken, LocalApi, request_local
 from .metrics import NodeMetrics
+from .receipts import ReceiptWriter, RefusalLog
+from .slots import DecodeSlots, Slot
 from .status import attach_receiver, log_request
-from .wire import TileGeometry, copy_prefix, held_digest, scatter_tile, span_layout, wire_identity
+from .striping import parse_stripe
+from .transport import Limits, Listener, bind_tcp
+from .wire import TileGeometry, copy_prefix, span_layout, wire_identity
 
-#: kvpack's extension key in the MUPCTL1 request: the delta cut the receiver armed. The
-#: upstream request V1 has no such field (errata L1); a producer that does not know it
-#: refuses the request, and the receiver then retries without it (a full transfer).
-EXT_PREFIX_CUT = "kvpack_prefix_cut"
-
-
-class EngineSink:
-    """Handoff sink writing verified tiles straight into a detached engine install.
-
-    ``begin`` opens ``session.begin_install(position, prompt)`` (the engine refuses another
-    identity) and, for a delta, copies rows ``[0, cut)`` from the held prefix; each
-    ``write_segment`` scatters one tile (the payload view is consumed during the call);
-    ``prepare`` proves completeness; ``commit`` swaps the live session atomically;
-    ``abort`` drops the install. Timestamps feed the receipt's phase split.
-    """
-
-    def __init__(self, session, geometry: TileGeometry, identity, held_source=None) -> None:
-        self.session = session
-        self.geometry = geometry
-        self.identity = identity
-        self.held_source = held_source
-        self.install: Any = None  # the engine's install handle (engines are duck-typed)
-        self.copied_bytes = 0
-        self.t: dict[str, float] = {}
-
-    def begin(self, manifest, prefix_cut: int) -> None:
-        self.install = self.session.begin_install(manifest.position, list(manifest.prompt_token_ids), self.identity)
-        if prefix_cut:
-            if self.held_source is None:  # admission already proved we hold it; be explicit anyway
-                raise EngineError("install", "delta without a held prefix source")
-            t0 = time.perf_counter()
-            self.copied_bytes = copy_prefix(self.held_source, self.install, self.geometry, prefix_cut)
-            self.t["prefix_copy_s"] = time.perf_counter() - t0
-
-    def write_segment(self, descriptor, payload: memoryview) -> None:
-        scatter_tile(self.install, self.geometry, descriptor, payload)
-
-    def prepare(self) -> None:
-        self.t["prepare0"] = time.perf_counter()
-        gaps = self.install.missing()
-        if gaps:
-            layer, role, left = gaps[0]
-            raise EngineError("install", f"{len(gaps)} planes incomplete (layer {layer} {role}: {left} rows)")
-        self.t["prepare1"] = time.perf_counter()
-
-    def commit(self) -> None:
-        self.t["commit0"] = time.perf_counter()
-        # No logits row travels: the receiver decodes the boundary token itself.
-        self.install.commit(require_logits=False)
-        self.t["commit1"] = time.perf_counter()
-
-    def abort(self) -> None:
-        if self.install is not None:
-            self.install.abort()
-
-
-class _TimedLedger:
-    """The replay ledger as the handoff ReplayGate, with reservation latency recorded."""
-
-    def __init__(self, ledger: ReplayLedger, metrics: NodeMetrics) -> None:
-        self.ledger = ledger
-        self.metrics = metrics
-        self.t: dict[str, float] = {}
-
-    def admit(self, key_id: str, epoch: int, generation: int) -> None:
-        self.ledger.admit(key_id, epoch, generation)
-
-    def reserve(self, key_id: str, epoch: int, generation: int) -> None:
-        t0 = time.perf_counter()
-        ok = False
-        try:
-            self.ledger.reserve(key_id, epoch, generation)
-            ok = True
-        finally:
-            t1 = time.perf_counter()
-            self.t["reserve0"], self.t["reserve1"] = t0, t1
-            self.metrics.reservation(ok, t1 - t0)
-
-
-@dataclass
-class Pending:
-    """One outstanding request: what the next admitted begin must be."""
-
-    request_id: str
-    prompt: tuple[int, ...]
-    t0_ms: int
-    deadline: float  # monotonic: an admissible begin must arrive before this
-    held_tokens: Optional[tuple[int, ...]] = None
-    held_source: object = None
-    event: threading.Event = field(default_factory=threading.Event)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    admitted: bool = False
-    done: bool = False
-    outcome: Optional[dict] = None
-    error: Optional[BaseException] = None
-    refusals: list = field(default_factory=list)
-
-    def finish(self, outcome: Optional[dict] = None, error: Optional[BaseException] = None) -> None:
-        if not self.done:
-            self.done = True
-            self.outcome, self.error = outcome, error
-            self.event.set()
+__all__ = ["EXT_PREFIX_CUT", "NamedSessions", "Pending", "ProducerLink", "ReceiverNode", "accept_wait_s", "request_local"]
 
 
 def accept_wait_s(cfg: ReceiverConfig, prompt_tokens: int) -> float:
@@ -170,13 +86,87 @@ def accept_wait_s(cfg: ReceiverConfig, prompt_tokens: int) -> float:
     return min(900.0, max(cfg.wait_for_producer_ms / 1000.0, 0.2 * prompt_tokens))
 
 
+class NamedSessions:
+    """Sessions that unsolicited transfers landed in, by name (the transfer id), bounded:
+    the least recently used is dropped beyond ``limit`` (a peer cannot grow memory)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = max(1, limit)
+        self._by_name: "OrderedDict[str, Any]" = OrderedDict()
+        self._locks: dict[str, threading.Lock] = {}
+        self._mutex = threading.Lock()
+
+    def put(self, name: str, session: Any) -> None:
+        with self._mutex:
+            self._by_name.pop(name, None)
+            self._by_name[name] = session
+            self._locks.setdefault(name, threading.Lock())
+            while len(self._by_name) > self.limit:
+                old, _ = self._by_name.popitem(last=False)
+                self._locks.pop(old, None)
+
+    def get(self, name: str) -> tuple[Any, threading.Lock]:
+        with self._mutex:
+            if name not in self._by_name:
+                raise EngineError("install", f"no received session named {name!r} (known: {list(self._by_name)[-8:]})")
+            self._by_name.move_to_end(name)
+            return self._by_name[name], self._locks[name]
+
+    def names(self) -> list[dict]:
+        with self._mutex:
+            return [{"name": n, "position": s.position} for n, s in self._by_name.items()]
+
+
+@dataclass
+class ProducerLink:
+    """One enrolled producer of this decode node (one receiver config)."""
+
+    name: str
+    config: ReceiverConfig
+    key: bytes
+    ledger: ReplayLedger
+    guard: LedgerGuard
+    control: Optional[ControlClient]
+    probe: Optional[ProbeResult] = None
+
+    @property
+    def unsolicited(self) -> bool:
+        return self.control is None
+
+
+def _link_name(cfg: ReceiverConfig) -> str:
+    if cfg.producer_control is not None:
+        return cfg.producer_control.server_name
+    base = os.path.basename(cfg.path)
+    return base[len("receiver.") : -len(".json")] if base.startswith("receiver.") and base.endswith(".json") else base
+
+
+def check_shared_configs(configs: Sequence[ReceiverConfig]) -> None:
+    """Several producer configs can share one decode node only when they describe the same
+    node: listen address, certificate, key, CA and identity equal; keys, ledgers and pins
+    distinct (a leaf pinned by two configs would make its link ambiguous)."""
+    first = configs[0]
+    same = ("listen_host", "listen_port", "certificate_chain", "private_key", "peer_ca", "identity", "target_cache_identity_sha256")
+    for cfg in configs[1:]:
+        for name in same:
+            if getattr(cfg, name) != getattr(first, name):
+                raise SecurityError("config", f"{cfg.path}: {name} differs from {first.path}; configs of one decode node must share it")
+    for attr in ("hmac_key_id", "replay_ledger"):
+        values = [getattr(c, attr) for c in configs]
+        if len(set(values)) != len(values):
+            raise SecurityError("config", f"two configs share {attr}: each producer needs its own")
+    pins = [p for c in configs for p in c.peer_leaf_sha256]
+    if len(set(pins)) != len(pins):
+        raise SecurityError("config", "a producer leaf is pinned by two configs: its connections could not be told apart")
+
+
 class ReceiverNode:
-    """A decode node: data listener, ledger, engine session, ladder, local API, metrics."""
+    """A decode node: data listener, producer links, decode slots, ladder, local API, metrics."""
 
     def __init__(
         self,
-        config: ReceiverConfig,
-        engine,
+        config: ReceiverConfig | Sequence[ReceiverConfig],
+        engine=None,
         *,
         receipts_dir: str,
         store=None,
@@ -186,278 +176,326 @@ class ReceiverNode:
         committed_wait_s: float = 2.0,
         check_volume: bool = True,
         socket_path: Optional[str] = None,
+        decode_slots: int = 1,
+        stripes: int = 1,
+        limits: Optional[Limits] = None,
+        api_limits: Optional[ApiLimits] = None,
+        slot_wait_s: float = 60.0,
+        max_sessions: int = 8,
+        unsolicited_slots: int = 2,
     ) -> None:
-        self.config = config
+        self.configs: list[ReceiverConfig] = [config] if isinstance(config, ReceiverConfig) else list(config)
+        if not self.configs:
+            raise SecurityError("config", "a decode node needs at least one receiver config")
+        check_shared_configs(self.configs)
+        self.config = self.configs[0]
         self.engine = engine
         self.store = store
-        self.receipts = ReceiptWriter(receipts_dir)
+        self.refusal_log = RefusalLog("receiver", os.path.join(os.path.abspath(receipts_dir), "refusals.log"))
+        self.receipts = ReceiptWriter(receipts_dir, refusal_log=self.refusal_log)
         self.metrics = NodeMetrics("receiver")
+        self.refusal_log.on_count = self.metrics.refusal
         self._metrics_port = metrics_port
         self._advertised_port = advertised_port
         self.committed_wait_s = committed_wait_s
         self._check_volume = check_volume
         self.socket_path = socket_path
+        self.resident = ResidentRadix(resident_bytes)
+        self.decode_slot_count = max(1, decode_slots)
+        self.stripes = max(1, min(MAX_STRIPES, stripes))
+        self.limits = limits or Limits()
+        self.api_limits = api_limits or ApiLimits()
+        self.slot_wait_s = slot_wait_s
+        self.first_frame_s = FIRST_FRAME_S
+        self.links: list[ProducerLink] = []
+        self.router = Router()
+        self._counter = itertools.count(1)
+        self._rr = itertools.count()
+        self.listener: Optional[Listener] = None
+        self.api: Optional[LocalApi] = None
+        self._api_socket: Optional[ApiSocket] = None
+        self._sock: Optional[socket.socket] = None
+        self.data_port: Optional[int] = None
+        self.hash_executor: Optional[ThreadPoolExecutor] = None
+        self.slots: Optional[DecodeSlots] = None
+        self._bound = False
+        #: unsolicited links: named sessions and concurrent transfers
+        self.sessions = NamedSessions(max_sessions)
+        self._unsolicited_slots = threading.BoundedSemaphore(max(1, unsolicited_slots))
+        #: every admitted unsolicited outcome, in order (``kvpack receive --once`` reads it)
+        self.landed: "queue.Queue[Outcome]" = queue.Queue(maxsize=256)
+
+    # -- lifecycle: bind (fail fast, no engine needed), then start ----------------------------
+
+    def bind(self) -> "ReceiverNode":
+        """Everything that can fail without a model, in this order: replay ledgers (locks,
+        rollback check) and their volume probes, keys and TLS contexts, the data port, the
+        local API socket (never taken over from a live process)."""
+        if self._bound:
+            return self
+        try:
+            for cfg in self.configs:
+                self.links.append(self._open_link(cfg))
+            cfg = self.config
+            pins = frozenset(p for c in self.configs for p in c.peer_leaf_sha256)
+            self._data_ep = TlsEndpoint(cfg.certificate_chain, cfg.private_key, cfg.peer_ca, pins, DATA_ALPN)
+            self._data_ctx = server_context(self._data_ep)
+            self._sock = bind_tcp(cfg.listen_host, cfg.listen_port, "data listener")
+            self.data_port = self._sock.getsockname()[1]
+            if self.socket_path:
+                self._api_socket = ApiSocket(self.socket_path)
+            self._serve_metrics()
+        except BaseException:
+            self._release()
+            raise
+        self._bound = True
+        return self
+
+    def _open_link(self, cfg: ReceiverConfig) -> ProducerLink:
+        probe = None
+        if self._check_volume:
+            os.makedirs(os.path.dirname(cfg.replay_ledger), mode=0o700, exist_ok=True)
+            probe = check_ledger_volume(cfg.replay_ledger)  # refuses a slow volume (C.9)
+        ledger = ReplayLedger.open(cfg.replay_ledger, minimum_epoch=cfg.minimum_hmac_epoch)
+        try:
+            control = None
+            if cfg.producer_control is not None:
+                ep = cfg.control_endpoint()
+                control = ControlClient(ep, client_context(ep), cfg.producer_control.host, cfg.producer_control.port)
+            return ProducerLink(_link_name(cfg), cfg, cfg.load_hmac_key(), ledger, LedgerGuard(ledger), control, probe)
+        except BaseException:
+            ledger.close()
+            raise
+
+    def start(self, engine=None) -> "ReceiverNode":
+        if engine is not None:
+            self.engine = engine
+        if self.engine is None:
+            raise ProtocolError("state", "a decode node needs an engine to start", remote=False)
+        self.bind()
+        cfg, engine = self.config, self.engine
         self.layout = span_layout(engine.layout)
         self.geometry = TileGeometry.of(engine.layout)
         self.exact, self.target = wire_identity(engine)
-        self.session = engine.new_session()
-        self.live_prefilled = 0  # tokens of the live session computed by prefill/install
-        self.resident = ResidentRadix(resident_bytes)
-        self.ladder = Ladder(engine, self.resident, store)
-        self.ledger: Optional[ReplayLedger] = None
-        self.key: Optional[bytes] = None
-        self._pending: Optional[Pending] = None
-        self._state_lock = threading.Lock()
-        self._request_lock = threading.Lock()
-        self._counter = itertools.count(1)
-        self._listener: Optional[socket.socket] = None
-        self._unix: Optional[socket.socket] = None
-        self._threads: list[threading.Thread] = []
-        self._stopping = threading.Event()
-        self.data_port: Optional[int] = None
-        self.probe: ProbeResult | None = None
-        # The handoff core hashes on the executor its driver passes (kvpack.handoff.hashing):
-        # this node's pool overlaps a payload's two digests with the reads (threads start on
-        # first use, and go with stop()).
-        self._hash_pool = ThreadPoolExecutor(max_workers=hash_workers(), thread_name_prefix="kvpack-receiver-hash")
-
-    # -- lifecycle ------------------------------------------------------------------------
-
-    def start(self) -> "ReceiverNode":
-        cfg = self.config
         if self.exact.to_json() != cfg.identity or self.target != cfg.target_cache_identity_sha256:
             raise SecurityError(
                 "config",
                 f"{cfg.path}: the loaded engine's identity differs from the configured identity (enroll the receiver with this engine's --identity file)",
             )
-        if self._check_volume:
-            os.makedirs(os.path.dirname(cfg.replay_ledger), mode=0o700, exist_ok=True)
-            self.probe = check_ledger_volume(cfg.replay_ledger)  # refuses a slow volume (C.9)
-        self.ledger = ReplayLedger.open(cfg.replay_ledger, minimum_epoch=cfg.minimum_hmac_epoch)
-        self.key = cfg.load_hmac_key()
-        self._data_ep = cfg.data_endpoint()
-        self._data_ctx = server_context(self._data_ep)
-        if cfg.producer_control is not None:
-            self._ctl_ep = cfg.control_endpoint()
-            self._ctl_ctx = client_context(self._ctl_ep)
-        self._listener = listen(cfg.listen_host, cfg.listen_port)
-        self.data_port = self._listener.getsockname()[1]
-        self._spawn(self._accept_loop, "kvpack-receiver-accept")
+        self.ladder = Ladder(engine, self.resident, self.store)
+        self.slots = DecodeSlots(engine.new_session, self.decode_slot_count)
+        # the handoff core hashes on the executor its driver passes (kvpack.handoff.hashing)
+        self.hash_executor = ThreadPoolExecutor(max_workers=hash_workers(), thread_name_prefix="kvpack-receiver-hash")
+        assert self._sock is not None
+        self.listener = Listener(
+            "receiver-data",
+            self._sock,
+            self._data_ep,
+            self._data_ctx,
+            self._serve_data,
+            limits=self.limits,
+            refusals=self.refusal_log,
+            on_refused=self._tls_refused,
+        )
+        self.listener.start()
         attach_receiver(self)  # status page sections and readiness checks
-        if self._metrics_port is not None:
-            self.metrics.serve(self._metrics_port)
-        if self.socket_path:
-            self._start_local_api(self.socket_path)
+        if self._api_socket is not None:
+            self.api = LocalApi(self._api_socket, self._api_request, self.api_limits, min(MAX_PROMPT_TOKENS, engine.max_context), on_reply=log_request).start()
         return self
 
-    def stop(self) -> None:
-        self._stopping.set()
-        for sock in (self._listener, self._unix):
-            close_listener(sock)
-        with self._state_lock:
-            if self._pending is not None:
-                self._pending.finish(error=ProtocolError("aborted", "receiver shutting down", remote=False))
-        for t in self._threads:
-            t.join(timeout=5)
-        self._hash_pool.shutdown(wait=False, cancel_futures=True)
-        self.metrics.close()
-        if self.ledger is not None:
-            self.ledger.close()
-        if self.socket_path and os.path.exists(self.socket_path):
-            os.unlink(self.socket_path)
+    def _serve_metrics(self) -> None:
+        """The observability listener binds with the other ports (fail fast); until
+        :meth:`start` finished, /readyz says the engine is still loading."""
+        if self._metrics_port is None or self.metrics.port is not None:
+            return
+        self.metrics.status.ready_check("started", lambda: (self.listener is not None, "serving" if self.listener is not None else "loading the engine"))
+        self.metrics.serve(self._metrics_port)
 
-    def _spawn(self, fn, name: str, *args) -> threading.Thread:
-        t = threading.Thread(target=fn, args=args, name=name, daemon=True)
-        t.start()
-        self._threads = [x for x in self._threads if x.is_alive()] + [t]
-        return t
+    def stop(self) -> None:
+        for p in self.router.open():
+            p.finish(error=ProtocolError("aborted", "receiver shutting down", remote=False))
+        if self.api is not None:
+            self.api.stop()
+        self._release()
+
+    def _release(self) -> None:
+        if self.listener is not None:
+            self.listener.stop()
+            self.listener = None
+        elif self._sock is not None:
+            self._sock.close()
+        self._sock = None
+        if self.api is None and self._api_socket is not None:
+            self._api_socket.close()
+        if self.hash_executor is not None:
+            self.hash_executor.shutdown(wait=False, cancel_futures=True)
+        self.metrics.close()
+        for link in self.links:
+            link.ledger.close()
+
+    # -- compatibility views (status page, tests) ---------------------------------------------
+
+    @property
+    def ledger(self) -> Optional[ReplayLedger]:
+        return self.links[0].ledger if self.links else None
+
+    @property
+    def probe(self) -> Optional[ProbeResult]:
+        return self.links[0].probe if self.links else None
+
+    @property
+    def key(self) -> Optional[bytes]:
+        return self.links[0].key if self.links else None
+
+    @property
+    def session(self) -> Any:
+        """The first decode slot's session (the only one with ``decode_slots=1``)."""
+        assert self.slots is not None
+        return self.slots.slots[0].session
+
+    @property
+    def live_prefilled(self) -> int:
+        return self.slots.slots[0].live_prefilled if self.slots else 0
 
     @property
     def advertised_port(self) -> int:
         port = self._advertised_port or self.data_port
         if port is None:
-            raise RuntimeError("the receiver has no data port before start()")
+            raise RuntimeError("the receiver has no data port before bind()")
         return port
+
+    @property
+    def unsolicited(self) -> bool:
+        return all(link.unsolicited for link in self.links)
+
+    def link_for_pin(self, pin: str) -> ProducerLink:
+        for link in self.links:
+            if pin in link.config.peer_leaf_sha256:
+                return link
+        raise SecurityError("pin", "peer leaf is pinned by no producer config")  # the TLS layer pinned it
 
     # -- data plane -----------------------------------------------------------------------
 
-    def _accept_loop(self) -> None:
-        listener = self._listener
-        assert listener is not None  # start() binds it before spawning this loop
-        while not self._stopping.is_set():
-            try:
-                raw, _addr = listener.accept()
-            except OSError:
-                return
-            self._spawn(self._serve_connection, "kvpack-receiver-conn", raw)
-
-    def _refuse(self, reason: str, detail: str, **extra) -> None:
+    def refuse(self, reason: str, detail: str, **extra) -> None:
         self.metrics.refusal(reason)
         self.metrics.transfer(reason)
         self.receipts.write({"role": "receiver", "verdict": "refused", "reason": reason, "detail": detail[:2000], **extra})
 
-    def _serve_connection(self, raw: socket.socket) -> None:
-        peer = "?"
-        try:
-            peer = "%s:%s" % raw.getpeername()[:2]
-        except OSError:
-            pass
+    def _tls_refused(self, reason: str, detail: str, peer: str) -> None:
+        # a waiting request reports the receiver's category of the last refusal (pin,
+        # certificate ...), not a generic timeout; bounded: the last few only
+        for p in self.router.open():
+            if len(p.refusals) < 64:
+                p.refusals.append((reason, f"{peer}: {detail}"))
+
+    def _serve_data(self, chan) -> None:
+        """One authenticated data connection (a worker thread of the listener)."""
         t_conn = time.time_ns()
+        link = self.link_for_pin(chan.peer.leaf_sha256)
         try:
-            chan = wrap_accepted(raw, self._data_ep, context=self._data_ctx)
-        except (KvpackError, OSError, ssl.SSLError) as exc:
-            reason, detail = verdict_of(exc)
-            self._refuse(reason, detail, phase="tls", peer=peer, connected_unix_ns=t_conn)
+            raw, begin = first_frame(self, chan, self._first_frame_deadline(link))
+        except BaseException as exc:  # noqa: BLE001 - refused with a receipt
+            err = ProtocolError("aborted", f"read timed out: no begin before the accept deadline ({exc})") if isinstance(exc, TimeoutError) else exc
+            reason, detail = verdict_of(err)
+            self.refuse(reason, detail, phase="begin", peer=chan.peer_address, peer_leaf_sha256=chan.peer.leaf_sha256, producer=link.name)
+            self._tls_refused(reason, detail, chan.peer_address)
+            return
+        if link.unsolicited:
+            self._serve_unsolicited(chan, link, raw, t_conn)
+            return
+        m = begin.manifest
+        pending = self.router.route(m.transfer_id, m.prompt_token_ids, link)
+        if pending is None:
+            self._unroutable(chan, link, m)
             return
         try:
-            with self._state_lock:
-                pending = self._pending
-            if pending is None or pending.done:
-                self._refuse("unsolicited", "no outstanding request on this receiver", phase="begin", peer=peer, peer_leaf_sha256=chan.peer.leaf_sha256)
-                return
-            with pending.lock:
-                if pending.done:
-                    self._refuse("unsolicited", "the request this connection could serve is finished", phase="begin", peer=peer)
-                    return
-                self._receive(chan, pending, peer, t_conn)
+            stripe = parse_stripe(pending.request_id or "", m.transfer_id) or (0, 1)
+            if stripe[1] > pending.stripes:
+                raise ProtocolError("identity", f"transfer {m.transfer_id} is stripe {stripe[0]} of {stripe[1]}; the request allows {pending.stripes}")
+            run = InboundRun(self, chan, pending, stripe, raw, t_conn)
+        except KvpackError as exc:
+            self.refuse(exc.category, exc.message, phase="begin", peer=chan.peer_address, transfer_id=m.transfer_id)
+            pending.refusals.append((exc.category, exc.message))
+            return
+        out = run.run()
+        if out.error is None:
+            out.info["receipt_path"] = self.receipts.write(out.info)
+            pending.stripe_committed(stripe[0], out.info)
+            return
+        pending.refusals.append((out.info["reason"], out.info["detail"]))
+        if out.admitted:
+            pending.finish(error=out.error)  # after admission a failure fails the request
+        # before admission: drop this connection, keep waiting (errata M8)
+
+    def _first_frame_deadline(self, link: ProducerLink) -> float:
+        """When the first frame must be in: ``first_frame_s``, but never past the latest
+        accept deadline of the requests waiting for this producer (a begin after that could
+        not be admitted anyway); a solicited link with no waiting request gets its
+        ``wait_for_producer_ms`` (the begin will be refused, its receipt names it)."""
+        now = time.monotonic()
+        cap = now + self.first_frame_s
+        if link.unsolicited:
+            return cap
+        waiting = [p.deadline for p in self.router.open() if p.link is link]
+        if not waiting:
+            return min(cap, now + link.config.wait_for_producer_ms / 1000.0)
+        return min(cap, max(waiting))
+
+    def _unroutable(self, chan, link: ProducerLink, m) -> None:
+        """A begin naming no open request of its producer: refused (C.8 step 1); requests
+        of that producer that are waiting report it (``identity``), as a single-request
+        node always did."""
+        waiting = [p for p in self.router.open() if p.link is link]
+        reason = "identity" if waiting else "unsolicited"
+        detail = f"transfer id {m.transfer_id[:128]!r} names no outstanding request of producer {link.name}"
+        self.refuse(reason, detail, phase="begin", peer=chan.peer_address, transfer_id=m.transfer_id, generation=m.generation)
+        for p in waiting:
+            if len(p.refusals) < 64:
+                p.refusals.append((reason, detail))
+
+    def _serve_unsolicited(self, chan, link: ProducerLink, raw: bytes, t_conn: int) -> None:
+        """C.15 without producer_control: admit any pinned producer's transfer (errata M8)."""
+        assert self.engine is not None
+        deadline = time.monotonic() + link.config.wait_for_producer_ms / 1000.0
+        if not self._unsolicited_slots.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            self.refuse("aborted", "receiver busy: every unsolicited slot holds a transfer", phase="begin", peer=chan.peer_address)
+            return
+        try:
+            session = self.engine.new_session()
+            end = deadline + link.config.timeout_ms / 1000.0
+            pending = Pending(None, None, now_ms(), deadline, end, session, link)
+            out = InboundRun(self, chan, pending, (0, 1), raw, t_conn).run()
+            if out.error is None:
+                self._land(session, out.info)
+            if out.admitted or out.error is None:
+                try:
+                    self.landed.put_nowait(out)
+                except queue.Full:
+                    pass  # nobody reads it: the receipts are the record
         finally:
-            chan.close()
+            self._unsolicited_slots.release()
 
-    def _receive(self, chan, pending: Pending, peer: str, t_conn: int) -> None:
-        cfg = self.config
-        assert self.ledger is not None and self.key is not None  # opened by start()
-        sink = EngineSink(self.session, self.geometry, self.engine.identity, pending.held_source)
-        gate = _TimedLedger(self.ledger, self.metrics)
-        expectations = AdmissionExpectations(
-            identity=self.exact,
-            target_cache_identity_sha256=self.target,
-            max_context=self.engine.max_context,
-            request_prompt=pending.prompt,
-            request_id=pending.request_id,
-        )
-        rx = Receiver(
-            HandoffReceiverConfig(self.key, cfg.hmac_key_id, cfg.minimum_hmac_epoch, layout=self.layout, expectations=expectations),
-            sink,
-            gate,
-            now_unix_ms=pending.t0_ms,
-            held_token_ids=pending.held_tokens,
-            hash_executor=self._hash_pool,
-        )
-        stamps: dict[str, int | str] = {"connected_unix_ns": t_conn, "tls_verified_unix_ns": time.time_ns()}
-        perf: dict[str, float] = {"begin_wait0": time.perf_counter()}
-        admitted = False
-        committed: Optional[Committed] = None
-        try:
-            chan.settimeout(max(0.05, pending.deadline - time.monotonic()))
-            recv_into = chan.recv_into
-            while True:
-                # Fill the whole wanted() view (the rest of a preamble or header, or the next
-                # hash range of a payload), one recv_into per TLS record and nothing else per
-                # record, then advance once. Before admission every recv_into runs under what
-                # is left of the accept deadline; after it, under timeout_ms (errata H3).
-                buf = rx.wanted()
-                want = len(buf)
-                if not want:
-                    break
-                if not admitted:
-                    # the accept deadline bounds the whole wait, not each read: a peer that
-                    # trickles bytes must not hold the connection past it
-                    left = pending.deadline - time.monotonic()
-                    if left <= 0:
-                        raise TimeoutError("accept deadline passed before admission")
-                    chan.settimeout(left)
-                got = recv_into(buf)
-                while got and got < want:
-                    if not admitted:
-                        left = pending.deadline - time.monotonic()
-                        if left <= 0:
-                            raise TimeoutError("accept deadline passed before admission")
-                        chan.settimeout(left)
-                    n = recv_into(buf[got:])
-                    if n == 0:
-                        break
-                    got += n
-                t_recv = time.perf_counter()
-                effects = rx.advance(got) if got else []
-                if got < want:
-                    rx.eof()  # raises: the stream ended before the seal
-                for e in effects:
-                    if isinstance(e, Admitted):
-                        admitted = pending.admitted = True
-                        perf["admitted"] = t_recv
-                        stamps["admitted_unix_ns"] = time.time_ns()
-                        chan.settimeout(cfg.timeout_ms / 1000.0)  # errata H3: long gaps are normal
-                    elif isinstance(e, SegmentStored) and "first_segment" not in perf:
-                        perf["first_segment"] = t_recv
-                        stamps["first_segment_unix_ns"] = time.time_ns()
-                    elif isinstance(e, Committed):
-                        committed = e
-                        perf["seal"] = t_recv
-                        stamps["committed_unix_ns"] = time.time_ns()
-                if committed is not None:
-                    break
-        except BaseException as exc:  # noqa: BLE001 - every failure is a refusal with a receipt
-            # The state machine raised its own typed refusal (and aborted the sink); anything
-            # else (TLS record failure, reset, timeout) is a local abort of the transfer.
-            err = exc
-            if isinstance(exc, TimeoutError):  # socket.timeout is TimeoutError
-                err = ProtocolError("aborted", "read timed out", remote=False)
-            if rx.error is None:
-                rx.abort(f"{type(exc).__name__}: {exc}")
-            reason, detail = verdict_of(err)
-            info = self._transfer_info(rx, sink, gate, perf, stamps, pending)
-            self._refuse(reason, detail, phase="admitted" if admitted else "begin", peer=peer, peer_leaf_sha256=chan.peer.leaf_sha256, **info)
-            pending.refusals.append((reason, detail))
-            if admitted:
-                pending.finish(error=err)  # after admission a failure fails the request
-            return  # before admission: drop this connection, keep waiting (errata M8)
-        # Committed (steps 7-9 done inside the state machine): the ACK, then close (H4).
-        assert committed is not None  # the loop above ends on Committed or raises
-        try:
-            chan.sendall(committed.ack)
-            stamps["ack_unix_ns"] = time.time_ns()
-        except (OSError, KvpackError) as exc:  # C.8 step 6: only logged; a retry is a replay
-            stamps["ack_error"] = str(exc)[:200]
-        info = self._transfer_info(rx, sink, gate, perf, stamps, pending)
-        self.metrics.transfer("committed", committed.total_bytes)
-        self.metrics.phases({k: v for k, v in info["durations_s"].items()})
-        info.update(role="receiver", verdict="committed", peer=peer, peer_leaf_sha256=chan.peer.leaf_sha256)
+    def _land(self, session, info: dict) -> None:
+        """A committed unsolicited transfer: name its session, remember its rows (resident),
+        save it as a prefix cut (store), then publish the receipt saying where it landed."""
+        name = str(info["transfer_id"])
+        self.sessions.put(name, session)
+        info["session"] = name
+        t0 = time.perf_counter()
+        if self._fits_resident(session.position):
+            self.resident.insert(self.ladder.identity, RowsSource.capture(session, session.position))
+        if self.store is not None:
+            try:
+                rep = self.store.save(session, prefix_only=True)
+                info["saved"] = {"manifest_id": rep.manifest_id, "cut": rep.cut, "kind": rep.kind, "prefix_only": True}
+            except KvpackError as exc:  # the transfer committed; a full disk degrades only this save
+                info["saved"] = {"error": f"{exc.category}: {exc.message}"[:500]}
+        info["landing_s"] = round(time.perf_counter() - t0, 6)
         info["receipt_path"] = self.receipts.write(info)
-        pending.finish(outcome=info)
 
-    def _transfer_info(self, rx: Receiver, sink: EngineSink, gate: _TimedLedger, perf: dict, stamps: dict, pending: Pending) -> dict:
-        m = rx.manifest
-        core = rx.seal_core()
-        d: dict[str, float] = {}
-        if "admitted" in perf:
-            d["wait_begin"] = perf["admitted"] - perf["begin_wait0"]
-        if "seal" in perf and "admitted" in perf:
-            d["wire"] = perf["seal"] - perf["admitted"]
-        if "prepare0" in sink.t and "seal" in perf:
-            d["verify"] = sink.t["prepare0"] - perf["seal"]
-        if "prepare1" in sink.t:
-            d["prepare"] = sink.t["prepare1"] - sink.t["prepare0"]
-        if "reserve1" in gate.t:
-            d["reserve"] = gate.t["reserve1"] - gate.t["reserve0"]
-        if "commit1" in sink.t:
-            d["commit"] = sink.t["commit1"] - sink.t["commit0"]
-        if "prefix_copy_s" in sink.t:
-            d["prefix_copy"] = sink.t["prefix_copy_s"]
-        return {
-            "request_id": pending.request_id,
-            "transfer_id": None if m is None else m.transfer_id,
-            "generation": None if m is None else m.generation,
-            "position": None if m is None else m.position,
-            "prefix_cut": rx.prefix_cut,
-            "held_tokens": 0 if pending.held_tokens is None else len(pending.held_tokens),
-            "held_prefix_sha256": None if pending.held_tokens is None else held_digest(pending.held_tokens),
-            "segments": rx.segments_received,
-            "payload_bytes": rx.bytes_received,
-            "prefix_bytes_copied": sink.copied_bytes,
-            "digests": None if core is None else {k: getattr(core, k) for k in ("begin_sha256", "descriptor_sha256", "payload_sha256")},
-            "timestamps": stamps,
-            "durations_s": {k: round(v, 6) for k, v in d.items()},
-        }
+    def _fits_resident(self, rows: int) -> bool:
+        """Capturing rows for the resident tier copies them: skip what it would evict at once."""
+        return self.resident.max_bytes > 0 and self.geometry.tile_bytes(rows) <= self.resident.max_bytes
 
     # -- requests -------------------------------------------------------------------------
 
@@ -470,55 +508,69 @@ class ReceiverNode:
         held: Optional[HeldPrefix] = None,
         held_source=None,
         wait_s: Optional[float] = None,
+        session: Any = None,
+        link: Optional[ProducerLink] = None,
+        stripes: int = 1,
+        cancel: CancelToken = NEVER,
     ) -> Pending:
-        """Register the one outstanding request the next admitted begin must match."""
+        """Register an outstanding request its data connections must match (its install lands
+        in ``session``: the first slot's unless given)."""
+        link = link or next((lk for lk in self.links if not lk.unsolicited), None)
+        if link is None:
+            raise ProtocolError("state", "unsolicited mode (no producer_control): transfers land in named sessions, not in a request", remote=False)
         prompt = tuple(int(t) for t in prompt)
-        wait = accept_wait_s(self.config, len(prompt)) if wait_s is None else wait_s
+        wait = accept_wait_s(link.config, len(prompt)) if wait_s is None else wait_s
+        start = time.monotonic()
         p = Pending(
-            request_id, prompt, now_ms() if t0_ms is None else t0_ms, time.monotonic() + wait, None if held is None else tuple(held.tokens), held_source
+            request_id,
+            prompt,
+            now_ms() if t0_ms is None else t0_ms,
+            start + wait,
+            start + wait + link.config.timeout_ms / 1000.0,
+            session if session is not None else self.session,
+            link,
+            None if held is None else tuple(held.tokens),
+            held_source,
+            stripes,
+            cancel,
         )
-        with self._state_lock:
-            if self._pending is not None and not self._pending.done:
-                raise ProtocolError("state", "a request is already outstanding", remote=False)
-            self._pending = p
+        self.router.add(p)
         return p
 
-    def wait(self, pending: Pending, control=None) -> dict:
-        """Block until ``pending`` commits or fails; watch the control channel meanwhile (a
-        producer's ``failed`` answer ends the wait early). Returns the committed outcome."""
-        early_response = None
+    def wait(self, pending: Pending, control: Optional[ControlSession] = None) -> dict:
+        """Block until ``pending`` commits or fails; meanwhile watch the control channel (a
+        producer's ``failed`` answer ends the wait early), the deadlines and the cancel
+        token. Returns the committed outcome."""
         try:
             while not pending.event.wait(0.05):
-                if control is not None and early_response is None and readable(control.sock):
-                    resp = ControlResponse.from_json(read_control(control, time.monotonic() + 5.0))
-                    resp.validate_for(pending.request_id)
-                    if resp.status == "failed":
-                        last = pending.refusals[-1] if pending.refusals else None
-                        why = f"producer failed: {resp.error}" + (f" (receiver refused: {last[0]}: {last[1][:200]})" if last else "")
-                        raise ProtocolError(last[0] if last and last[0] in ProtocolError.CATEGORIES else "aborted", why)
-                    early_response = resp  # "committed" racing our own event: keep it
-                if not pending.admitted and time.monotonic() > pending.deadline:
-                    last = pending.refusals[-1] if pending.refusals else None
-                    why = "no admissible transfer before the accept deadline"
-                    if last:
-                        why += f" (last refusal {last[0]}: {last[1][:200]})"
-                    raise ProtocolError(last[0] if last and last[0] in ProtocolError.CATEGORIES else "aborted", why)
+                self._check_waiting(pending, control)
         except BaseException as exc:
             pending.finish(error=exc)
-            with pending.lock:  # a connection still streaming finishes (and aborts) first
-                pass
             raise
+        finally:
+            self.router.remove(pending)
         if pending.error is not None:
             raise pending.error
         assert pending.outcome is not None  # finish() sets an outcome or an error
-        out = dict(pending.outcome)
-        if early_response is not None:
-            out["_early_response"] = early_response
-        return out
+        return dict(pending.outcome)
+
+    def _check_waiting(self, pending: Pending, control: Optional[ControlSession]) -> None:
+        pending.cancel.check()
+        if control is not None:
+            resp = control.poll()
+            if resp is not None and resp.status == "failed":
+                raise pending.last_refusal(f"producer failed: {resp.error}")
+        now = time.monotonic()
+        if pending.shared is not None and pending.shared.failed is not None and not pending.shared.committed:
+            raise pending.last_refusal(f"transfer refused: {pending.shared.failed}")
+        if not pending.admitted and now > pending.deadline:
+            raise pending.last_refusal("no admissible transfer before the accept deadline")
+        if now > pending.end:
+            raise ProtocolError("aborted", "the transfer did not complete before its deadline", remote=False)
 
     def receive(self, request_id: str, prompt: Sequence[int], **kw) -> dict:
-        """Wait for one transfer without the control plane (C.15 "unsolicited producer" mode,
-        bound to ``request_id`` and ``prompt`` all the same)."""
+        """Wait for one transfer bound to ``request_id`` and ``prompt`` without sending a
+        control request (tests and benchmarks drive the producer themselves)."""
         return self.wait(self.expect(request_id, prompt, **kw))
 
     def _new_request_id(self, t0_ms: int) -> str:
@@ -526,142 +578,208 @@ class ReceiverNode:
         # transfer id must start with "<request_id>-" (errata M8), so the binding is strict
         return f"muser-{t0_ms}-{next(self._counter)}"
 
-    def _remote(self, tokens: list[int], plan: Plan, t0_ms: int) -> dict:
-        cfg = self.config
-        if cfg.producer_control is None:
-            raise SecurityError("config", f"{cfg.path}: no producer_control: this receiver cannot request prefill")
+    def _pick_link(self, producer: Optional[str]) -> ProducerLink:
+        links = [lk for lk in self.links if not lk.unsolicited]
+        if not links:
+            raise SecurityError(
+                "config",
+                f"{self.config.path}: no producer_control (unsolicited mode): this receiver cannot request prefill; decode a received session with --session",
+            )
+        if producer is not None:
+            for lk in links:
+                if lk.name == producer:
+                    return lk
+            raise UsageError("usage", f"no producer named {producer!r} (configured: {[lk.name for lk in links]})")
+        return links[next(self._rr) % len(links)]
+
+    def _remote(self, slot: Slot, tokens: list[int], plan: Plan, t0_ms: int, *, stripes: int, link: ProducerLink, cancel: CancelToken) -> dict:
         cut = plan.prefix_cut
         assert not cut or plan.held is not None  # an armed delta always names its held prefix
         held_source = self.ladder.materialize(plan.held) if cut and plan.held is not None else None
         rid = self._new_request_id(t0_ms)
-        pending = self.expect(rid, tokens, t0_ms=t0_ms, held=plan.held if cut else None, held_source=held_source)
-        frames = []
-        t_c0 = time.perf_counter()
+        pending = self.expect(
+            rid, tokens, t0_ms=t0_ms, held=plan.held if cut else None, held_source=held_source, session=slot.session, link=link, stripes=stripes, cancel=cancel
+        )
+        ext: dict[str, int] = {}
+        if cut:
+            ext[EXT_PREFIX_CUT] = cut
+        if stripes > 1:
+            ext[EXT_STRIPES] = stripes
+        cfg = link.config
+        req = ControlRequestV1(rid, t0_ms + cfg.timeout_ms, tuple(tokens), cfg.advertised_receiver_host or "127.0.0.1", self.advertised_port)
+        assert link.control is not None
         try:
-            ctl = connect(self._ctl_ep, cfg.producer_control.host, cfg.producer_control.port, context=self._ctl_ctx)
+            ctl = link.control.request(req, ext)
         except BaseException as exc:
             pending.finish(error=exc)
+            self.router.remove(pending)
             raise
         try:
-            req = ControlRequestV1(rid, t0_ms + cfg.timeout_ms, tuple(tokens), cfg.advertised_receiver_host or "127.0.0.1", self.advertised_port)
-            body = req.to_json()
-            if cut:
-                body[EXT_PREFIX_CUT] = cut
-            frame = encode_control(body)
-            ctl.sendall(frame)
-            frames.append({"dir": "sent", "type": "request", "bytes": len(frame)})
-            raw = read_control(ctl, time.monotonic() + 30.0)
-            resp = ControlResponse.from_json(raw)
-            if resp.status == "failed" and resp.request_id != rid:
-                # a producer that could not parse the request cannot echo its id; on this
-                # connection (one request) the answer is still the refusal of our request
-                refused = ProtocolError("aborted", f"producer answered failed: {resp.error}")
-                refused.request_refused = True  # type: ignore[attr-defined]
-                raise refused
-            resp.validate_for(rid)
-            frames.append({"dir": "received", "type": resp.status, "bytes": len(encode_control(raw))})
-            if resp.status != "accepted":
-                refused = ProtocolError("aborted", f"producer answered {resp.status}: {resp.error}")
-                refused.request_refused = True  # type: ignore[attr-defined]  # nothing was sent or installed
-                raise refused
-            control_s = time.perf_counter() - t_c0
             out = self.wait(pending, control=ctl)
-            early = out.pop("_early_response", None)
-            final = early
-            if final is None:  # telemetry only: a short wait, then close (errata H2)
-                try:
-                    raw = read_control(ctl, time.monotonic() + self.committed_wait_s)
-                    final = ControlResponse.from_json(raw)
-                    final.validate_for(rid)
-                    frames.append({"dir": "received", "type": final.status, "bytes": len(encode_control(raw))})
-                except (KvpackError, TimeoutError, OSError):
-                    final = None
-            else:
-                frames.append({"dir": "received", "type": final.status, "bytes": len(encode_control(final.to_json()))})
-        except BaseException as exc:
-            pending.finish(error=exc)
-            raise
+            final = ctl.final(self.committed_wait_s)
         finally:
             ctl.close()
-        out["control_s"] = control_s
-        out["control_frames"] = frames
+        out["control_s"] = round(ctl.control_s, 6)
+        out["control_frames"] = ctl.frames
         out["producer_receipt"] = None if final is None or final.receipt is None else final.receipt.to_json()
         return out
 
-    def generate(self, tokens: Sequence[int], max_new_tokens: int = 32, *, save: bool = False, stop_token_ids: Sequence[int] = ()) -> dict:
-        """Serve one prompt: ladder, handoff (or local reuse), boundary token, greedy decode."""
+    def generate(
+        self,
+        tokens: Sequence[int],
+        max_new_tokens: int = 32,
+        *,
+        save: bool = False,
+        stop_token_ids: Sequence[int] = (),
+        cancel: CancelToken = NEVER,
+        stripes: Optional[int] = None,
+        producer: Optional[str] = None,
+    ) -> dict:
+        """Serve one prompt on a decode slot: ladder, handoff (or local reuse), boundary
+        token, greedy decode. ``cancel`` stops it (and frees the slot) between steps."""
+        assert self.slots is not None, "start() first"
         tokens = [int(t) for t in tokens]
         if len(tokens) < 2:
             raise ProtocolError("manifest", "a prompt needs at least 2 tokens (one is the held boundary)", remote=False)
-        with self._request_lock:
+        slot = self.slots.acquire(tokens, wait_s=self.slot_wait_s, cancel=cancel)
+        try:
             t_start = time.perf_counter()
-            t0_ms = now_ms()
-            before = self.session.position
-            plan = self.ladder.plan(tokens, self.session, self.live_prefilled)
-            result: dict = {"prompt_tokens": len(tokens), "plan": plan.to_json(), "transfer": None}
-            try:
-                plan = self._settle_durable(plan, tokens, result)
-                if plan.action is ReuseAction.SERVE_LOCAL:
-                    self._serve_local(plan, tokens)
-                else:
-                    try:
-                        result["transfer"] = self._remote(tokens, plan, t0_ms)
-                    except ProtocolError as exc:
-                        # A producer that refuses the delta request before accepting it (an
-                        # upstream prefilld denies the extension key) still serves the prompt
-                        # with a full transfer; anything after "accepted" is a real failure.
-                        if not (plan.prefix_cut and getattr(exc, "request_refused", False)):
-                            raise
-                        result["delta_fallback"] = str(exc)[:500]
-                        plan = Plan(ReuseAction.FULL_TRANSFER, "none", 0, None, plan.lookup_s)
-                        result["plan"] = plan.to_json()
-                        result["transfer"] = self._remote(tokens, plan, now_ms())
-            except BaseException:
-                self.metrics.phases({"request_failed": time.perf_counter() - t_start})
-                raise
+            before = slot.session.position
+            result, plan = self._acquire(slot, tokens, t_start, cancel=cancel, stripes=stripes, producer=producer)
             self.metrics.reused.labels("receiver", plan.tier if plan.action is not ReuseAction.FULL_TRANSFER else "none").inc(
                 plan.matched if plan.action is not ReuseAction.FULL_TRANSFER else 0
             )
-            t_b = time.perf_counter()
-            local_prefill = 0
-            if self.session.position < len(tokens):
-                # the held-back boundary token (and nothing else) is computed here
-                local_prefill = len(tokens) - self.session.position
-                self.session.prefill(tokens[self.session.position :])
-            boundary_s = time.perf_counter() - t_b
-            ttft_s = time.perf_counter() - t_start
-            self.metrics.prefilled.labels("receiver").inc(local_prefill)
-            # The saved cut ends with the boundary row computed by a one-token forward; at an
-            # aligned length it would be found as an aligned prefix and armed as a delta base,
-            # where the producer's rows come from a chunked prefill. Never publish that one.
-            saveable = save and self.store is not None and not is_token_aligned(len(tokens))
-            logits_at_prompt = bytes(self.session.export_logits()) if saveable else None
-            t_d = time.perf_counter()
-            out_tokens, rows = greedy(self.session, max_new_tokens, stop_token_ids)
-            decode_s = time.perf_counter() - t_d
-            self.live_prefilled = len(tokens) - 1
-            self.metrics.phases({"ttft": ttft_s, "boundary": boundary_s, "decode": decode_s})
-            # Resident tier: the prefill-computed rows [0, P-1) of this prompt, off the TTFT path.
-            self.resident.insert(self.ladder.identity, RowsSource.capture(self.session, len(tokens) - 1))
-            saved = None
-            if logits_at_prompt is not None:
-                rep = self.store.save(self.session, cut=len(tokens), logits=logits_at_prompt)
-                saved = {"manifest_id": rep.manifest_id, "cut": rep.cut, "kind": rep.kind, "seconds": round(rep.seconds, 4)}
-            result.update(
-                tokens=out_tokens,
-                logits_sha256=__import__("hashlib").sha256(logits_bytes(rows)).hexdigest(),
-                tokens_sha256=__import__("hashlib").sha256(json.dumps(out_tokens).encode()).hexdigest(),
-                ttft_s=round(ttft_s, 6),
-                boundary_s=round(boundary_s, 6),
-                decode_s=round(decode_s, 6),
-                local_prefill_tokens=local_prefill,
-                session_before=before,
-                saved=saved,
-            )
-            self._last_logit_rows = rows
+            result.update(self._decode_prompt(slot, tokens, t_start, max_new_tokens, save, stop_token_ids, cancel))
+            result["session_before"] = before
+            result["slot"] = slot.index
             return result
+        finally:
+            self.slots.release(slot)
 
-    def _settle_durable(self, plan: Plan, tokens: list[int], result: dict) -> Plan:
+    def _acquire(
+        self, slot: Slot, tokens: list[int], t_start: float, *, cancel: CancelToken, stripes: Optional[int], producer: Optional[str]
+    ) -> tuple[dict, Plan]:
+        """Bring the slot's session to the prompt minus its boundary token: local reuse, or a
+        full or delta handoff. A producer that refuses kvpack's extension keys before
+        "accepted" (an upstream prefilld) is asked again without them: one stream, full."""
+        t0_ms = now_ms()
+        plan = self.ladder.plan(tokens, slot.session, slot.live_prefilled)
+        result: dict = {"prompt_tokens": len(tokens), "plan": plan.to_json(), "transfer": None}
+        try:
+            plan = self._settle_durable(slot, plan, tokens, result)
+            if plan.action is ReuseAction.SERVE_LOCAL:
+                self._serve_local(slot, plan, tokens)
+            else:
+                link = self._pick_link(producer)
+                want = max(1, min(MAX_STRIPES, stripes or self.stripes))
+                try:
+                    result["transfer"] = self._remote(slot, tokens, plan, t0_ms, stripes=want, link=link, cancel=cancel)
+                except RequestRefused as exc:
+                    if not exc.extensions:
+                        raise
+                    result["extension_fallback"] = str(exc)[:500]
+                    if plan.prefix_cut:
+                        result["delta_fallback"] = str(exc)[:500]
+                        plan = Plan(ReuseAction.FULL_TRANSFER, "none", 0, None, plan.lookup_s)
+                        result["plan"] = plan.to_json()
+                    result["transfer"] = self._remote(slot, tokens, plan, now_ms(), stripes=1, link=link, cancel=cancel)
+        except BaseException:
+            self.metrics.phases({"request_failed": time.perf_counter() - t_start})
+            raise
+        slot.live_prefilled = len(tokens) - 1
+        return result, plan
+
+    def _decode_prompt(
+        self, slot: Slot, tokens: list[int], t_start: float, max_new_tokens: int, save: bool, stop_token_ids: Sequence[int], cancel: CancelToken
+    ) -> dict:
+        """The boundary token, greedy decoding, the resident entry and the optional save."""
+        session = slot.session
+        # Windowed layers drop their oldest row with every token: the prompt's rows [0, P-1)
+        # (resident tier) and the prompt's cut (store) are taken while the windows ending
+        # there are still held. Full-attention layouts do both after decoding (off TTFT).
+        windowed = bool(self.engine.layout.windowed_layers())
+        keep = self._fits_resident(len(tokens) - 1)
+        entry = RowsSource.capture(session, len(tokens) - 1) if keep and windowed and session.position == len(tokens) - 1 else None
+        t_b = time.perf_counter()
+        local_prefill = 0
+        if session.position < len(tokens):
+            # the held-back boundary token (and nothing else) is computed here
+            local_prefill = len(tokens) - session.position
+            session.prefill(tokens[session.position :])
+        boundary_s = time.perf_counter() - t_b
+        ttft_s = time.perf_counter() - t_start
+        self.metrics.prefilled.labels("receiver").inc(local_prefill)
+        # The saved cut ends with the boundary row computed by a one-token forward; at an
+        # aligned length it would be found as an aligned prefix and armed as a delta base,
+        # where the producer's rows come from a chunked prefill. Never publish that one.
+        saveable = save and self.store is not None and len(tokens) % 256 != 0
+        logits_at_prompt = bytes(session.export_logits()) if saveable else None
+        saved = self._save_prompt_cut(session, len(tokens), logits_at_prompt) if windowed else None
+        t_d = time.perf_counter()
+        out_tokens, rows = greedy(session, max_new_tokens, stop_token_ids, cancel if cancel is not NEVER else None)
+        decode_s = time.perf_counter() - t_d
+        self.metrics.phases({"ttft": ttft_s, "boundary": boundary_s, "decode": decode_s})
+        if not windowed:
+            entry = RowsSource.capture(session, len(tokens) - 1) if keep else None
+            saved = self._save_prompt_cut(session, len(tokens), logits_at_prompt)
+        if entry is not None:
+            self.resident.insert(self.ladder.identity, entry)
+        self._last_logit_rows = rows
+        return {
+            "tokens": out_tokens,
+            "logits_sha256": hashlib.sha256(logits_bytes(rows)).hexdigest(),
+            "tokens_sha256": hashlib.sha256(json.dumps(out_tokens).encode()).hexdigest(),
+            "ttft_s": round(ttft_s, 6),
+            "boundary_s": round(boundary_s, 6),
+            "decode_s": round(decode_s, 6),
+            "local_prefill_tokens": local_prefill,
+            "saved": saved,
+        }
+
+    def _save_prompt_cut(self, session, cut: int, logits: Optional[bytes]) -> Optional[dict]:
+        if logits is None or self.store is None:
+            return None
+        rep = self.store.save(session, cut=cut, logits=logits)
+        return {"manifest_id": rep.manifest_id, "cut": rep.cut, "kind": rep.kind, "seconds": round(rep.seconds, 4)}
+
+    def continue_session(
+        self, name: str, tokens: Sequence[int], max_new_tokens: int = 32, *, stop_token_ids: Sequence[int] = (), cancel: CancelToken = NEVER
+    ) -> dict:
+        """Decode from a received (named) session: ``tokens`` is the whole prompt so far; it
+        must start with the session's tokens, and what follows (at least the boundary token
+        the producer held back, unless the session already decoded) is computed here."""
+        tokens = [int(t) for t in tokens]
+        session, lock = self.sessions.get(name)
+        with lock:
+            t_start = time.perf_counter()
+            held = list(session.tokens)
+            if tokens[: len(held)] != held:
+                raise ProtocolError("identity", f"the prompt does not start with the {len(held)} tokens session {name!r} holds", remote=False)
+            rest = tokens[len(held) :]
+            if not rest and session.last_logits is None:
+                raise UsageError("usage", f"session {name!r} holds the prompt minus its boundary token: send the whole prompt (at least one more token)")
+            if rest:
+                session.prefill(rest)
+            ttft_s = time.perf_counter() - t_start
+            t_d = time.perf_counter()
+            out_tokens, rows = greedy(session, max_new_tokens, stop_token_ids, cancel if cancel is not NEVER else None)
+            decode_s = time.perf_counter() - t_d
+            self.metrics.phases({"ttft": ttft_s, "decode": decode_s})
+            return {
+                "session": name,
+                "prompt_tokens": len(tokens),
+                "plan": {"action": "session", "tier": "received", "matched": len(held), "prefix_cut": 0},
+                "transfer": None,
+                "tokens": out_tokens,
+                "logits_sha256": hashlib.sha256(logits_bytes(rows)).hexdigest(),
+                "tokens_sha256": hashlib.sha256(json.dumps(out_tokens).encode()).hexdigest(),
+                "ttft_s": round(ttft_s, 6),
+                "decode_s": round(decode_s, 6),
+                "local_prefill_tokens": len(rest),
+                "session_position": session.position,
+            }
+
+    def _settle_durable(self, slot: Slot, plan: Plan, tokens: list[int], result: dict) -> Plan:
         """Restore a durable plan's cut up front: a cut failing verification is quarantined
         and is a miss, so the ladder plans again (the store heals; the request still serves)."""
         for _attempt in range(4):
@@ -671,25 +789,25 @@ class ReceiverNode:
                 if plan.action is ReuseAction.SERVE_LOCAL and plan.held.matched == len(tokens):
                     assert isinstance(plan.held.source, tuple)  # a durable hit's source is (hit, tokens)
                     hit, hit_tokens = plan.held.source
-                    self.ladder.restore_durable(hit, self.session, list(hit_tokens))  # verified, with its logits
-                    plan.held.source = ("restored", self.session)
+                    self.ladder.restore_durable(hit, slot.session, list(hit_tokens))  # verified, with its logits
+                    plan.held.source = ("restored", slot.session)
                 else:
                     plan.held.source = ("restored", self.ladder.materialize(plan.held))
                 return plan
             except DurableMiss as miss:
                 result.setdefault("quarantined", []).append(miss.receipt)
-                plan = self.ladder.plan(tokens, self.session, self.live_prefilled)
+                plan = self.ladder.plan(tokens, slot.session, slot.live_prefilled)
                 result["plan"] = plan.to_json()
         return plan
 
-    def _serve_local(self, plan: Plan, tokens: list[int]) -> None:
+    def _serve_local(self, slot: Slot, plan: Plan, tokens: list[int]) -> None:
         held = plan.held
         assert held is not None  # SERVE_LOCAL is only planned from a held prefix
         if held.tier == "durable" and held.matched == len(tokens):
-            return  # restored into the live session by _settle_durable
+            return  # restored into the slot's session by _settle_durable
         source = self.ladder.materialize(held)
         cut = len(tokens) - 1
-        install = self.session.begin_install(cut, tokens[:cut], self.engine.identity)
+        install = slot.session.begin_install(cut, tokens[:cut], self.engine.identity)
         try:
             copy_prefix(source, install, self.geometry, cut)
             install.commit(require_logits=False)
@@ -697,78 +815,25 @@ class ReceiverNode:
             install.abort()
             raise
 
-    # -- local API (a Unix socket: filesystem permissions, never the network) --------------
+    # -- local API --------------------------------------------------------------------------
 
-    def _start_local_api(self, path: str) -> None:
-        if os.path.exists(path):
-            os.unlink(path)
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old = os.umask(0o177)
-        try:
-            sock.bind(path)
-        finally:
-            os.umask(old)
-        sock.listen(8)
-        self._unix = sock
-        self._spawn(self._local_loop, "kvpack-receiver-api")
+    def _api_request(self, req: dict, cancel: CancelToken) -> dict:
+        """One checked local API request (see :func:`kvpack.node.local_api.parse_request`)."""
+        if req.get("op") == "sessions":
+            return {"sessions": self.sessions.names(), "mode": "unsolicited" if self.unsolicited else "solicited"}
+        if "tokens" in req:
+            tokens = req["tokens"]
+        else:
+            from ..generate import chat_tokens
 
-    def _local_loop(self) -> None:
-        unix = self._unix
-        assert unix is not None  # bound before this loop is spawned
-        while not self._stopping.is_set():
-            try:
-                conn, _ = unix.accept()
-            except OSError:
-                return
-            self._spawn(self._local_request, "kvpack-receiver-api-conn", conn)
-
-    def _local_request(self, conn: socket.socket) -> None:
-        with conn:
-            data = b""
-            while not data.endswith(b"\n"):
-                chunk = conn.recv(1 << 20)
-                if not chunk:
-                    return
-                data += chunk
-            try:
-                req = json.loads(data)
-                if not isinstance(req, dict):
-                    raise UsageError("usage", "a local API request is one JSON object")
-                if "tokens" in req:
-                    tokens = req["tokens"]
-                    if not isinstance(tokens, list) or not all(type(t) is int and 0 <= t < 2**31 for t in tokens):
-                        raise UsageError("usage", "tokens must be a JSON list of token ids (integers in 0..2^31-1)")
-                else:
-                    from ..generate import chat_tokens
-
-                    tokens = chat_tokens(self.engine, str(req["prompt"]), chat=bool(req.get("chat", True)))
-                eos = getattr(getattr(self.engine, "tokenizer", None), "eos_token_id", None)
-                res = self.generate(
-                    tokens,
-                    int(req.get("max_new_tokens", 32)),
-                    save=bool(req.get("save", False)),
-                    stop_token_ids=[eos] if eos is not None and req.get("stop_at_eos", True) else (),
-                )
-                if getattr(self.engine, "tokenizer", None) is not None:
-                    res["text"] = self.engine.decode(res["tokens"])
-                reply = {"ok": True, "result": res}
-            except BaseException as exc:  # noqa: BLE001 - reported to the client
-                reason, detail = verdict_of(exc)
-                reply = {"ok": False, "error": {"reason": reason, "detail": detail}}
-            log_request(reply)
-            conn.sendall(json.dumps(reply, default=str).encode() + b"\n")
-
-
-def request_local(socket_path: str, payload: dict, timeout: float = 900.0) -> dict:
-    """Client side of the receiver's local API (``kvpack request``)."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(timeout)
-        s.connect(socket_path)
-        s.sendall(json.dumps(payload).encode() + b"\n")
-        data = b""
-        while not data.endswith(b"\n"):
-            chunk = s.recv(1 << 20)
-            if not chunk:
-                break
-            data += chunk
-    return json.loads(data)
+            tokens = chat_tokens(self.engine, req["prompt"], chat=req["chat"])
+        eos = getattr(getattr(self.engine, "tokenizer", None), "eos_token_id", None)
+        stops = [eos] if eos is not None and req["stop_at_eos"] else []
+        n = req["max_new_tokens"]
+        if req.get("session") is not None:
+            res = self.continue_session(req["session"], tokens, n, stop_token_ids=stops, cancel=cancel)
+        else:
+            res = self.generate(tokens, n, save=req["save"], stop_token_ids=stops, cancel=cancel, stripes=req.get("stripes"), producer=req.get("producer"))
+        if getattr(self.engine, "tokenizer", None) is not None:
+            res["text"] = self.engine.decode(res["tokens"])
+        return res

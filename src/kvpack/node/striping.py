@@ -128,12 +128,13 @@ class SharedInstall:
             self._raise_if_failed()
 
     def _commit_locked(self) -> None:
-        self.t["commit0"] = time.perf_counter()
+        self.t["prepare0"] = time.perf_counter()
         try:
             gaps = self.install.missing()
             if gaps:
                 layer, role, left = gaps[0]
                 raise EngineError("install", f"{len(gaps)} planes incomplete after every stripe (layer {layer} {role}: {left} rows)")
+            self.t["prepare1"] = self.t["commit0"] = time.perf_counter()
             self.install.commit(require_logits=False)  # the receiver decodes the boundary token itself
         except BaseException as exc:
             self._fail_locked(f"{type(exc).__name__}: {exc}")

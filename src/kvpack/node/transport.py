@@ -139,6 +139,7 @@ class Listener:
         *,
         limits: Limits = Limits(),
         refusals: Optional[RefusalLog] = None,
+        on_refused: Optional[Callable[[str, str, str], None]] = None,
     ) -> None:
         self.name = name
         self.sock = sock
@@ -147,6 +148,9 @@ class Listener:
         self.serve = serve
         self.limits = limits
         self.refusals = refusals or RefusalLog(name)
+        #: told of every refusal before authentication (reason, detail, peer): the decode
+        #: node hands the category to a request waiting for that producer
+        self.on_refused = on_refused
         self.port: int = sock.getsockname()[1]
         self.counts = Counts()
         self._per_ip: dict[str, int] = {}
@@ -326,6 +330,11 @@ class Listener:
         with self._lock:
             self.counts.refused_total += 1
         self.refusals.count(reason, detail, peer)
+        if self.on_refused is not None:
+            try:
+                self.on_refused(reason, detail, peer)
+            except Exception:  # noqa: BLE001 - a bookkeeping hook never stops the acceptor
+                log.exception("on_refused hook failed")
 
     def _authenticated(self, hs: _Handshake, info) -> None:
         self._pending.pop(hs.fd, None)
