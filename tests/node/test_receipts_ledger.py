@@ -169,3 +169,50 @@ def test_healing_refuses_a_ledger_that_went_backwards(tmp_path):
     assert info.value.category == "ledger_unavailable" and "rollback" in info.value.message
     assert ledger.degraded is not None
     ledger.close()
+
+
+def test_reordering_window_admits_each_generation_once_and_never_after_a_restart(tmp_path):
+    """Concurrent transfers of one producer finish out of generation order: within one
+    process a generation below the watermark is admitted once (never twice), and after a
+    restart nothing at or below the durable watermark is."""
+    path = str(tmp_path / "ledger.json")
+    led = ReplayLedger.open(path, strict=False)
+    led.reserve("k", 1, 5)
+    before = _read(path)
+    led.reserve("k", 1, 3)  # finished after 5: admitted, no write needed
+    led.reserve("k", 1, 4)
+    assert _read(path) == before and led.watermark("k", 1) == 5
+    for gen in (3, 4, 5):
+        with pytest.raises(SecurityError) as info:
+            led.admit("k", 1, gen)
+        assert info.value.category == "replay" and "replayed" in info.value.message
+    led.reserve("k", 1, 6)
+    led.close()
+    led = ReplayLedger.open(path, strict=False)  # restart: the floor is the durable watermark
+    for gen in (1, 2, 6):
+        with pytest.raises(SecurityError):
+            led.admit("k", 1, gen)
+    led.reserve("k", 1, 8)
+    led.reserve("k", 1, 7)  # above the floor (6), below the watermark: admitted once
+    with pytest.raises(SecurityError):
+        led.reserve("k", 1, 7)
+    led.close()
+    strict = ReplayLedger.open(path)  # upstream's rule: nothing at or below the watermark
+    with pytest.raises(SecurityError):
+        strict.admit("k", 1, 7)
+    strict.close()
+
+
+def test_reordering_window_is_bounded(tmp_path):
+    from kvpack.security.ledger import REORDER_WINDOW
+
+    led = ReplayLedger.open(str(tmp_path / "ledger.json"), strict=False)
+    led.reserve("k", 1, 1)
+    led.close()
+    led = ReplayLedger.open(str(tmp_path / "ledger.json"), strict=False)
+    led.reserve("k", 1, REORDER_WINDOW + 10)
+    with pytest.raises(SecurityError) as info:
+        led.admit("k", 1, 5)  # above the floor, but far below the watermark
+    assert "stale" in info.value.message
+    led.admit("k", 1, 20)
+    led.close()

@@ -183,10 +183,10 @@ def read_request_line(conn: socket.socket, limits: ApiLimits) -> Optional[bytes]
         start = len(buf)
         buf += chunk[:n]
         nl = buf.find(b"\n", start)
+        if (nl if nl >= 0 else len(buf)) > limits.max_request_bytes:
+            raise UsageError("usage", f"request line longer than {limits.max_request_bytes} bytes")
         if nl >= 0:
             return bytes(buf[:nl])
-        if len(buf) > limits.max_request_bytes:
-            raise UsageError("usage", f"request line longer than {limits.max_request_bytes} bytes")
 
 
 def _int_field(req: dict, name: str, default: int, lo: int, hi: int) -> int:

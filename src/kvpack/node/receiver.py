@@ -256,7 +256,8 @@ class ReceiverNode:
         if self._check_volume:
             os.makedirs(os.path.dirname(cfg.replay_ledger), mode=0o700, exist_ok=True)
             probe = check_ledger_volume(cfg.replay_ledger)  # refuses a slow volume (C.9)
-        ledger = ReplayLedger.open(cfg.replay_ledger, minimum_epoch=cfg.minimum_hmac_epoch)
+        # concurrent requests and stripes of one producer reserve out of generation order
+        ledger = ReplayLedger.open(cfg.replay_ledger, minimum_epoch=cfg.minimum_hmac_epoch, strict=False)
         try:
             control = None
             if cfg.producer_control is not None:

@@ -26,6 +26,16 @@ Rules:
   refused (category ``ledger_unavailable``: the node cannot currently prove freshness, which is
   not a replay and must not page as one) until the latch is cleared, because a durability layer
   that keeps going after failing to be durable would admit replays after the next crash;
+* reordering (kvpack decision, docs/security.md): concurrent transfers of one producer finish
+  out of generation order, so a strict "refuse anything at or below the watermark" would refuse
+  every transfer that finished second. Within one process a generation *below* the watermark
+  is still admissible when it is above the watermark the file held when the ledger was opened
+  (the *floor*), within :data:`REORDER_WINDOW` of the watermark, and not reserved before in
+  this process (an in-memory set). Such a reservation needs no write: the durable watermark
+  is already above it, so after a restart the floor refuses it. Every generation is therefore
+  reserved at most once, ever; only the order of reservation is relaxed, never replay
+  protection. The window is opt-in (``ReplayLedger.open(..., strict=False)``, what the decode
+  node does); the default keeps upstream's rule;
 * concurrency: one lock serialises admissions within the process; an exclusive ``flock`` on a
   sibling lock file refuses a second process (or a second open) on the same ledger, since two
   writers would each believe their own watermark;
@@ -70,6 +80,11 @@ log = logging.getLogger("kvpack.security.ledger")
 RESET_LOG_SUFFIX = ".resets.log"
 
 U64_MAX = (1 << 64) - 1
+#: How far below the watermark a generation may still be admitted within one process: the
+#: decode node serves several transfers of one producer at once (concurrent requests, the
+#: stripes of one request), and they finish out of generation order. See "Reordering" in the
+#: module docstring.
+REORDER_WINDOW = 4096
 #: Bound on the ledger file: one key_id:epoch entry is < 200 bytes; this allows ~80k of them.
 LEDGER_MAX_BYTES = 16 << 20
 
@@ -103,8 +118,16 @@ def admission_refusal(
     *,
     minimum_epoch: int,
     degraded: str | None,
+    floor: Mapping[str, int] | None = None,
+    reserved: Mapping[str, set[int]] | None = None,
+    window: int = REORDER_WINDOW,
 ) -> SecurityError | None:
-    """Return the refusal for this admission, or None when it is admissible. Pure."""
+    """Return the refusal for this admission, or None when it is admissible. Pure.
+
+    Without ``floor``/``reserved`` the rule is upstream's: refuse anything at or below the
+    watermark. With them (the reordering window) a generation below the watermark is
+    admissible when it is above ``floor``, within ``window`` of the watermark and not in
+    ``reserved``."""
     if degraded is not None:
         return SecurityError(
             "ledger_unavailable",
@@ -113,9 +136,10 @@ def admission_refusal(
         )
     if generation == 0:
         return SecurityError("replay", "generation 0 is never admissible (ZeroGeneration)")
-    watermark = highest.get(ledger_key(key_id, epoch))
-    if watermark is not None and generation <= watermark:
-        what = "replayed" if generation == watermark else "stale"
+    key = ledger_key(key_id, epoch)
+    watermark = highest.get(key)
+    if watermark is not None and generation <= watermark and not _reorderable(key, generation, watermark, floor, reserved, window):
+        what = "replayed" if generation == watermark or (reserved is not None and generation in reserved.get(key, ())) else "stale"
         return SecurityError(
             "replay",
             f"{what} generation {generation} for {ledger_key(key_id, epoch)}: the highest reserved generation is {watermark}",
@@ -123,6 +147,12 @@ def admission_refusal(
     if epoch < minimum_epoch:
         return SecurityError("epoch", f"HMAC epoch {epoch} is below the configured minimum {minimum_epoch}")
     return None
+
+
+def _reorderable(key: str, generation: int, watermark: int, floor: Mapping[str, int] | None, reserved: Mapping[str, set[int]] | None, window: int) -> bool:
+    if floor is None or reserved is None:
+        return False
+    return generation > floor.get(key, 0) and generation > watermark - window and generation not in reserved.get(key, ())
 
 
 def encode_ledger(highest: Mapping[str, int]) -> bytes:
@@ -167,7 +197,15 @@ class ReplayLedger:
     """
 
     def __init__(
-        self, path: str, *, minimum_epoch: int, ops: FileOps, lock: FileLock, highest: dict[str, int], witness: Optional[dict[str, int]] = None
+        self,
+        path: str,
+        *,
+        minimum_epoch: int,
+        ops: FileOps,
+        lock: FileLock,
+        highest: dict[str, int],
+        witness: Optional[dict[str, int]] = None,
+        strict: bool = True,
     ) -> None:
         self.path = path
         self.minimum_epoch = minimum_epoch
@@ -177,6 +215,11 @@ class ReplayLedger:
         self._witness = dict(highest) if witness is None else witness
         self._degraded: str | None = None
         self._mutex = threading.Lock()
+        #: the reordering window (module docstring): the watermarks the file held at open,
+        #: and the generations reserved in this process near the watermark
+        self.strict = strict
+        self._floor = dict(highest)
+        self._reserved: dict[str, set[int]] = {}
 
     # -- opening -------------------------------------------------------------------------------
     @classmethod
@@ -186,8 +229,11 @@ class ReplayLedger:
         *,
         minimum_epoch: int = 1,
         ops: FileOps = REAL_OPS,
+        strict: bool = True,
     ) -> "ReplayLedger":
-        """Lock, load (or create empty) the ledger at ``path``; refuse a rolled-back one."""
+        """Lock, load (or create empty) the ledger at ``path``; refuse a rolled-back one.
+        ``strict`` (the default): upstream's rule; False opens the reordering window (the
+        decode node, which serves concurrent transfers of one producer)."""
         if not _is_u64(minimum_epoch) or minimum_epoch < 1:
             raise SecurityError("config", f"minimum_hmac_epoch must be >= 1, got {minimum_epoch!r}")
         target = os.path.abspath(os.fspath(path))
@@ -203,7 +249,7 @@ class ReplayLedger:
         except BaseException:
             lock.release()
             raise
-        return cls(target, minimum_epoch=minimum_epoch, ops=ops, lock=lock, highest=highest, witness=witness)
+        return cls(target, minimum_epoch=minimum_epoch, ops=ops, lock=lock, highest=highest, witness=witness, strict=strict)
 
     # -- queries -------------------------------------------------------------------------------
     @property
@@ -233,6 +279,8 @@ class ReplayLedger:
             generation,
             minimum_epoch=self.minimum_epoch,
             degraded=self._degraded,
+            floor=None if self.strict else self._floor,
+            reserved=None if self.strict else self._reserved,
         )
         if refusal is not None:
             raise refusal
@@ -256,8 +304,14 @@ class ReplayLedger:
         _check_admission_args(key_id, epoch, generation)
         with self._mutex:
             self._refuse_if_inadmissible(key_id, epoch, generation)
+            key = ledger_key(key_id, epoch)
+            watermark = self._highest.get(key)
+            if watermark is not None and generation <= watermark:
+                # inside the reordering window: the durable watermark already covers it
+                self._remember(key, generation, watermark)
+                return
             proposed = dict(self._highest)
-            proposed[ledger_key(key_id, epoch)] = generation
+            proposed[key] = generation
             witness = merge(self._witness, proposed)
             try:
                 atomic_write(self.path, encode_ledger(proposed), ops=self._ops)
@@ -265,6 +319,7 @@ class ReplayLedger:
                 # After the ledger, never before: the witness must not exceed the durable ledger.
                 atomic_write(witness_path(self.path), encode_witness(os.path.basename(self.path), witness), ops=self._ops, sync_dir=False)
                 self._witness = witness
+                self._remember(key, generation, generation)
             except Exception as exc:  # noqa: BLE001 - any failure to be durable latches
                 self._degraded = f"{type(exc).__name__}: {exc}"
                 raise SecurityError(
@@ -273,6 +328,14 @@ class ReplayLedger:
                     f"{ledger_key(key_id, epoch)} failed ({exc}); the ledger is latched "
                     "degraded until restart or a fresh volume probe (clear_degraded)",
                 ) from exc
+
+    def _remember(self, key: str, generation: int, watermark: int) -> None:
+        """Record a reservation for the reordering window; forget what fell out of it."""
+        if self.strict:
+            return
+        kept = {g for g in self._reserved.get(key, ()) if g > watermark - REORDER_WINDOW}
+        kept.add(generation)
+        self._reserved[key] = kept
 
     def clear_degraded(self, probe: ProbeResult, *, max_tail_ms: float = PROBE_MAX_TAIL_MS) -> None:
         """Lift the degraded latch without a restart, given a *fresh, passing* probe of this
