@@ -123,16 +123,25 @@ class Daemon:
     """A ``kvpack receiver|producer`` subprocess; waits for its ready line."""
 
     def __init__(self, args: list[str], *, timeout: float = 240.0) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvpack.cli", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        import tempfile
+
+        # stderr (JSON log lines) goes to a file: an undrained pipe would fill up and block
+        # the daemon's logging threads
+        self.stderr_file = tempfile.NamedTemporaryFile(prefix="kvpack-daemon-", suffix=".log", delete=False)
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvpack.cli", *args], stdout=subprocess.PIPE, stderr=self.stderr_file, text=True)
         self.ready: dict | None = None
         self._timeout = timeout
+
+    def stderr_text(self) -> str:
+        with open(self.stderr_file.name, errors="replace") as fh:
+            return fh.read()
 
     def wait_ready(self) -> dict:
         deadline = time.monotonic() + self._timeout
         while self.ready is None:
             if time.monotonic() > deadline or self.proc.poll() is not None:
                 self.stop()
-                raise RuntimeError(f"daemon did not start: {self.proc.stderr.read()[-3000:]}")
+                raise RuntimeError(f"daemon did not start: {self.stderr_text()[-3000:]}")
             r, _, _ = select.select([self.proc.stdout], [], [], 0.5)
             if r:
                 line = self.proc.stdout.readline()

@@ -49,6 +49,10 @@ from .transport import Deadline, fill
 from .wire import copy_prefix, held_digest, scatter_tile
 
 FIRST_FRAME_S = 30.0
+#: the first frame's header limit: the largest begin (131,072 token ids of up to 10 digits,
+#: identity and components) is ~1.5 MB of JSON; a header declared longer than this is refused
+#: before it is allocated, so a peer in its first frame costs the node at most this much
+FIRST_FRAME_MAX_HEADER = 2 << 20
 
 
 @dataclass
@@ -386,7 +390,7 @@ class InboundRun:
 
 def first_frame(node: Any, chan: Any, end: float) -> tuple[bytes, Begin]:
     """The connection's first frame by ``end`` (monotonic); it must be a begin."""
-    raw, frame = read_first_frame(chan, Deadline.until(end, what="first frame"), FrameLimits())
+    raw, frame = read_first_frame(chan, Deadline.until(end, what="first frame"), FrameLimits(max_header=FIRST_FRAME_MAX_HEADER))
     if not isinstance(frame, Begin):
         raise ProtocolError("state", f"first frame is {type(frame).__name__.lower()}, not a begin")
     return raw, frame
