@@ -24,8 +24,6 @@ or unlink a socket another process serves.
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import json
 import logging
 import os
@@ -38,6 +36,7 @@ from typing import Any, Callable, Optional
 
 from ..vocab import strict_json_loads
 from ..errors import KvpackError, ProtocolError, SecurityError, UsageError
+from ..vocab import FileLock, LockHeld
 from .common import verdict_of
 from .transport import socket_owner_alive
 
@@ -101,31 +100,23 @@ class ApiSocket:
         self.path = os.path.abspath(path)
         if len(os.fsencode(self.path)) > MAX_SOCKET_PATH:
             raise UsageError("usage", f"local API socket path {self.path!r} is {len(os.fsencode(self.path))} bytes; the limit is {MAX_SOCKET_PATH}")
-        self._lock_fd = self._take_lock()
+        self._lock = self._take_lock()
         self.sock: Optional[socket.socket] = None
         try:
             self._bind(backlog)
         except BaseException:
-            os.close(self._lock_fd)
+            self._lock.release()
             raise
 
-    def _take_lock(self) -> int:
-        lock_path = self.path + ".lock"
+    def _take_lock(self) -> FileLock:
+        lock = FileLock(self.path + ".lock", record_pid=True)
         try:
-            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            lock.acquire()
+        except LockHeld as held:
+            raise SecurityError("locked", f"local API socket {self.path} is served by another process ({held})") from None
         except OSError as exc:
-            raise UsageError("file", f"cannot open {lock_path!r}: {exc.strerror}") from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
-            os.close(fd)
-            if exc.errno in (errno.EWOULDBLOCK, errno.EACCES):
-                raise SecurityError("locked", f"local API socket {self.path} is served by another process" + (f" (pid {holder})" if holder else "")) from None
-            raise
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        return fd
+            raise UsageError("file", f"cannot open {self.path}.lock: {exc.strerror}") from None
+        return lock
 
     def _bind(self, backlog: int) -> None:
         if os.path.lexists(self.path):
@@ -158,9 +149,7 @@ class ApiSocket:
                     os.unlink(self.path)
             except OSError:
                 pass
-        if self._lock_fd >= 0:
-            os.close(self._lock_fd)
-            self._lock_fd = -1
+        self._lock.release()
 
 
 def read_request_line(conn: socket.socket, limits: ApiLimits) -> Optional[bytes]:

@@ -38,7 +38,6 @@ field it did not bound (the receipt writer bounds them).
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
@@ -61,6 +60,7 @@ from ..handoff.sender import Sender
 from ..security.config import ProducerConfig
 from ..security.secret_files import load_hmac_key
 from ..security.tls import client_context, connect, server_context
+from ..vocab import FileLock, LockHeld, align_tokens_down, is_token_aligned
 from .common import chunk_tokens, hash_workers, now_ms, read_control, readable, verdict_of
 from .control import EXT_PREFIX_CUT, EXT_STRIPES, EXTENSIONS, MAX_REQUEST_BYTES, echo_id, split_extensions
 from .ladder import ResidentRadix, RowsSource
@@ -86,11 +86,10 @@ class GenerationLedger:
     def __init__(self, path: str) -> None:
         self.path = os.path.abspath(path)
         ensure_dir(os.path.dirname(self.path), mode=0o700)
-        self._lock_fd = os.open(self.path + ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        self._lock = FileLock(self.path + ".lock")
         try:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(self._lock_fd)
+            self._lock.acquire()
+        except LockHeld:
             raise SecurityError("locked", f"generation ledger {self.path!r} is held by another producer") from None
         if os.path.exists(self.path):
             st = os.lstat(self.path)
@@ -123,9 +122,7 @@ class GenerationLedger:
             return list(range(gen, gen + n))
 
     def close(self) -> None:
-        if self._lock_fd >= 0:
-            os.close(self._lock_fd)
-            self._lock_fd = -1
+        self._lock.release()
 
 
 class _Cancelled(Exception):
@@ -364,15 +361,15 @@ class ProducerNode:
         prefix restored there and extended by prefill computes exactly what an uninterrupted
         prefill computes. A durable hit is ``(cut, "durable", hit)`` (restored by the job)."""
         position = len(prompt) - 1
-        limit = (position - 1) - (position - 1) % 256
+        limit = align_tokens_down(position - 1)
         if limit <= 0:
             return 0, "none", None
         held = self.resident.lookup(self.identity_digest, prompt[: limit + 1])  # 'prompt' of limit rows + 1
         best_res = 0 if held is None else min(held.matched, limit)
-        best_res -= best_res % 256
+        best_res = align_tokens_down(best_res)
         if self.store is not None:
             hit = self.store.find_deepest(prompt[:limit], self.engine.layout, self.engine.identity.ids())
-            if hit is not None and hit.cut % 256 == 0 and hit.cut > best_res:
+            if hit is not None and is_token_aligned(hit.cut) and hit.cut > best_res:
                 return hit.cut, "durable", hit
         if best_res:
             assert held is not None  # best_res > 0 only from a resident hit
@@ -438,7 +435,7 @@ class _Job:
         self.position = len(prompt) - 1  # the receiver holds back the boundary token
         self.tokens = prompt[: self.position]
         hint = ext.get(EXT_PREFIX_CUT, 0)
-        self.cut = hint if hint and hint % 256 == 0 and 0 < hint < self.position else 0
+        self.cut = hint if hint and is_token_aligned(hint) and 0 < hint < self.position else 0
         self.schedule = list(schedule_span(node.layout, self.position, self.cut))
         self.count = stripe_count(ext.get(EXT_STRIPES, 1), node.max_stripes, len(self.schedule))
         self.stripes: list[_StripeOut] = []
@@ -586,7 +583,7 @@ class _Job:
         reused, tier = node._install_prefix(session, self.prompt, cut, tier, source)
 
         def on_chunk(s) -> None:
-            if s.position % 256 == 0 and s.position > reused and node.store is not None:
+            if is_token_aligned(s.position) and s.position > reused and node.store is not None:
                 self.checkpoints[s.position] = bytes(s.export_logits())
             self._ship_ready(s, s.position)
 

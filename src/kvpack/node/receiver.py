@@ -64,6 +64,7 @@ from ..security.config import ReceiverConfig
 from ..security.ledger import ReplayLedger
 from ..security.probe import ProbeResult, check_ledger_volume
 from ..security.tls import DATA_ALPN, TlsEndpoint, client_context, server_context
+from ..vocab import is_token_aligned
 from .common import greedy, hash_workers, logits_bytes, now_ms, verdict_of
 from .control import EXT_PREFIX_CUT, EXT_STRIPES, MAX_STRIPES, ControlClient, ControlSession, RequestRefused
 from .inbound import FIRST_FRAME_S, InboundRun, Outcome, Pending, Router, first_frame
@@ -713,7 +714,7 @@ class ReceiverNode:
         # The saved cut ends with the boundary row computed by a one-token forward; at an
         # aligned length it would be found as an aligned prefix and armed as a delta base,
         # where the producer's rows come from a chunked prefill. Never publish that one.
-        saveable = save and self.store is not None and len(tokens) % 256 != 0
+        saveable = save and self.store is not None and not is_token_aligned(len(tokens))
         logits_at_prompt = bytes(session.export_logits()) if saveable else None
         saved = self._save_prompt_cut(session, len(tokens), logits_at_prompt) if windowed else None
         t_d = time.perf_counter()
