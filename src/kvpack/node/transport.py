@@ -430,10 +430,16 @@ def fill(chan: TlsChannel, buf: memoryview, deadline: Deadline, cancelled: Optio
     reads (a request whose client went away stops within one read)."""
     want = len(buf)
     got = 0
+    current = chan.sock.gettimeout()
     while got < want:
         if cancelled is not None and cancelled():
             raise ProtocolError("aborted", "cancelled: the request this transfer serves was cancelled", remote=False)
-        chan.settimeout(deadline.left())
+        left = deadline.left()
+        # settimeout costs two fcntl calls: only when the wait must shrink (the deadline
+        # nears) or may grow a lot (a new deadline), not once per 16 KiB TLS record
+        if current is None or left < current or left > 2 * current:
+            chan.settimeout(left)
+            current = left
         n = chan.recv_into(buf[got:])
         if n == 0:
             break
