@@ -239,10 +239,9 @@ class ProducerNode:
 
     def _serve_metrics(self) -> None:
         """The observability listener binds with the other ports (fail fast); until
-        :meth:`start` finished, /readyz says the engine is still loading."""
+        :meth:`start` registered the node's readiness checks, /readyz answers 503."""
         if self._metrics_port is None or self.metrics.port is not None:
             return
-        self.metrics.status.ready_check("started", lambda: (self.listener is not None, "serving" if self.listener is not None else "loading the engine"))
         self.metrics.serve(self._metrics_port)
 
     def stop(self) -> None:
