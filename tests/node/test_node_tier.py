@@ -263,8 +263,10 @@ def _send_and_hang_up(path: str, payload: dict, wait: float) -> None:
 
 
 def test_cancelled_request_frees_its_slot_within_a_second_during_the_transfer(tier):
-    # a slow producer (paced) so the transfer is in flight when the client leaves
-    t = tier(slots=1, pacing=400_000)
+    # a slow producer (paced: the payload takes several seconds, far longer than the 2 s
+    # before the hang-up even on a loaded machine) so the transfer is in flight when the
+    # client leaves
+    t = tier(slots=1, pacing=100_000)
     before = t.sessions()
     th = threading.Thread(target=_send_and_hang_up, args=(t.socket, {"tokens": _prompt(9, 1500), "max_new_tokens": 4}, 2.0))
     th.start()
