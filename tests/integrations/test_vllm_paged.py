@@ -1,0 +1,225 @@
+"""vLLM's paged CPU KV layout <-> kvpack's token-major planes, and the verified prefix store
+behind the connector, on real tensors and a real pack store (no vLLM needed).
+
+The tensors have exactly the shape and in-block layout vLLM's CPU attention backend hands a
+connector (``[blocks, kv_heads, block_size, 2*head_dim]``; per (block, head): ``block_size`` K
+rows, then ``block_size`` V rows), filled with random values.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from kvpack.engine.contract import CacheLayout, EngineIdentity, LayerSpec  # noqa: E402
+from kvpack.errors import EngineError, StoreError  # noqa: E402
+from kvpack.integrations.vllm.paged import PagedKV, layer_order  # noqa: E402
+from kvpack.integrations.vllm.prefix import LoadSpec, PrefixPlanner, SaveSpec, capture, load_prefix, publish, save_cuts  # noqa: E402
+from kvpack.store import PackStore  # noqa: E402
+
+LAYERS, HEADS, HEAD_DIM, BLOCK = 3, 2, 8, 32
+
+
+def paged_caches(num_blocks: int = 64, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    buf = torch.randn((LAYERS, num_blocks, HEADS, BLOCK, 2 * HEAD_DIM), generator=g)
+    return {f"model.layers.{i}.self_attn.attn": buf[i] for i in range(LAYERS)}
+
+
+def slow_rows(cache, block_ids, start, stop):
+    """Token-major K and V rows read one token at a time from the documented layout (the
+    independent reading the vectorised gather is checked against)."""
+    k, v = [], []
+    view = cache.view(cache.shape[0], HEADS, 2 * BLOCK, HEAD_DIM)
+    for t in range(start, stop):
+        b, off = block_ids[t // BLOCK], t % BLOCK
+        k.append(torch.cat([view[b, h, off] for h in range(HEADS)]))
+        v.append(torch.cat([view[b, h, BLOCK + off] for h in range(HEADS)]))
+    return torch.stack(k), torch.stack(v)
+
+
+def test_layers_are_ordered_by_index_and_gaps_are_refused():
+    assert layer_order(["m.layers.10.a", "m.layers.2.a", *[f"m.layers.{i}.a" for i in (0, 1, 3, 4, 5, 6, 7, 8, 9)]])[:3] == [
+        "m.layers.0.a",
+        "m.layers.1.a",
+        "m.layers.2.a",
+    ]
+    with pytest.raises(EngineError):
+        layer_order(["m.layers.0.a", "m.layers.2.a"])
+    with pytest.raises(EngineError):
+        layer_order(["lm_head"])
+
+
+def test_gather_reads_k_then_v_rows_of_each_block_and_head():
+    caches = paged_caches()
+    paged = PagedKV(caches)
+    block_ids = [7, 3, 50, 12]
+    rows = paged.gather(1, block_ids, 5, 100)
+    k, v = slow_rows(caches["model.layers.1.self_attn.attn"], block_ids, 5, 100)
+    assert torch.equal(rows[0], k) and torch.equal(rows[1], v)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_scatter_then_gather_round_trips_and_touches_nothing_else(data):
+    caches = paged_caches(num_blocks=16, seed=1)
+    paged = PagedKV(caches)
+    before = {n: t.clone() for n, t in caches.items()}
+    nblocks = data.draw(st.integers(1, 5))
+    block_ids = data.draw(st.lists(st.integers(0, 15), min_size=nblocks, max_size=nblocks, unique=True))
+    start = BLOCK * data.draw(st.integers(0, nblocks - 1))
+    n = data.draw(st.integers(1, nblocks * BLOCK - start))
+    layer = data.draw(st.integers(0, LAYERS - 1))
+    rows = torch.randn((2, n, HEADS * HEAD_DIM))
+    paged.scatter(layer, block_ids, start, rows)
+    assert torch.equal(paged.gather(layer, block_ids, start, start + n), rows)
+    # nothing outside the written rows changed: other layers, other blocks, the tail slots
+    name = f"model.layers.{layer}.self_attn.attn"
+    for other, t in caches.items():
+        if other != name:
+            assert torch.equal(t, before[other])
+    written = {(block_ids[t // BLOCK], t % BLOCK) for t in range(start, start + n)}
+    view_now = caches[name].view(16, HEADS, 2, BLOCK, HEAD_DIM)
+    view_before = before[name].view(16, HEADS, 2, BLOCK, HEAD_DIM)
+    for b in range(16):
+        for slot in range(BLOCK):
+            if (b, slot) not in written:
+                assert torch.equal(view_now[b, :, :, slot], view_before[b, :, :, slot])
+
+
+def test_unusable_tensors_and_ranges_are_refused():
+    with pytest.raises(EngineError):
+        PagedKV({"model.layers.0.a": torch.zeros(4, 2, 32, 15)})  # odd last dim
+    with pytest.raises(EngineError):
+        PagedKV({"model.layers.0.a": torch.zeros(4, 2, 32, 16, dtype=torch.int8)})
+    paged = PagedKV(paged_caches(num_blocks=8))
+    with pytest.raises(EngineError):
+        paged.gather(0, [0, 1], 0, 3 * BLOCK)  # more rows than the block table covers
+    with pytest.raises(EngineError):
+        paged.gather(0, [0, 99], 0, 2 * BLOCK)  # a block outside the cache
+    with pytest.raises(EngineError):
+        paged.scatter(0, [0, 1], 5, torch.zeros(2, 10, HEADS * HEAD_DIM))  # not block aligned
+
+
+# -- the prefix store ------------------------------------------------------------------------
+
+
+LAYOUT = CacheLayout(tuple(LayerSpec(i, "full", HEADS, HEAD_DIM, "f32", "rope") for i in range(LAYERS)), vocab_size=97)
+
+
+def _identity(**abi) -> EngineIdentity:
+    return EngineIdentity(
+        model_name="paged-test",
+        weights_digest="00" * 32,
+        config={"model_type": "llama"},
+        tokenizer_digest="11" * 32,
+        chat_template_digest="22" * 32,
+        context_policy={"max_context": 4096},
+        adapter={"name": "none"},
+        weight_precision="f32",
+        engine_abi={"engine": "vllm-test", "block_size": BLOCK, **abi},
+        scalars={},
+        layout=LAYOUT,
+    )
+
+
+TOKENS = [(i * 13 + 5) % 97 for i in range(700)]
+
+
+@pytest.fixture()
+def store(tmp_path) -> PackStore:
+    return PackStore.init(str(tmp_path / "store"), chunk_bytes=8192)
+
+
+def _saved(store: PackStore, ids, caches=None, block_ids=tuple(range(22))):
+    paged = PagedKV(caches or paged_caches())
+    spec = SaveSpec("r1", tuple(TOKENS[:512]), save_cuts(700, 0), block_ids)
+    assert spec.cuts == (256, 512)
+    reports = publish(store, capture(paged, LAYOUT, ids, spec), spec.cuts)
+    return paged, reports
+
+
+def test_saved_cuts_load_into_other_blocks_exactly(store):
+    ids = _identity().ids()
+    src, reports = _saved(store, ids)
+    assert [r.kind for r in reports] == ["full", "delta"]
+    planner = PrefixPlanner(store, LAYOUT, ids, BLOCK)
+    plan = planner.lookup(TOKENS, local=64)  # vLLM holds two blocks locally
+    assert plan.hit is not None and (plan.stored, plan.lo, plan.hi) == (512, 64, 512)
+    dst_caches = paged_caches(seed=9)
+    dst = PagedKV(dst_caches)
+    blocks = tuple(range(40, 62))
+    load_prefix(store, dst, LAYOUT, ids, LoadSpec("r2", tuple(TOKENS[:512]), plan.hit.manifest_id, plan.hit.node_id, 512, 64, 512, blocks))
+    for layer in range(LAYERS):
+        assert torch.equal(dst.gather(layer, blocks, 64, 512), src.gather(layer, tuple(range(22)), 64, 512))
+        # the rows vLLM already held locally were not written
+        assert torch.equal(dst.gather(layer, blocks, 0, 64), PagedKV(paged_caches(seed=9)).gather(layer, blocks, 0, 64))
+
+
+def test_the_last_prompt_token_is_always_left_to_vllm(store):
+    ids = _identity().ids()
+    _saved(store, ids)
+    plan = PrefixPlanner(store, LAYOUT, ids, BLOCK).lookup(TOKENS[:512], local=0)
+    assert (plan.stored, plan.hi) == (512, 480)  # 512 stored, one block short of the prompt's end
+    assert PrefixPlanner(store, LAYOUT, ids, BLOCK).lookup(TOKENS[:257], local=0).hi == 256
+
+
+def test_another_identity_is_a_miss(store):
+    _saved(store, _identity().ids())
+    for other in (_identity(block_size=64), _identity(attention_isa="amx")):
+        plan = PrefixPlanner(store, LAYOUT, other.ids(), BLOCK).lookup(TOKENS, local=0)
+        assert plan.hit is None and plan.stored == 0 and not plan.refusals
+
+
+def _load_spec(plan, blocks):
+    return LoadSpec("r2", tuple(TOKENS[: plan.hit.cut]), plan.hit.manifest_id, plan.hit.node_id, plan.hit.cut, plan.lo, plan.hi, blocks)
+
+
+def test_a_flipped_chunk_byte_is_refused_writes_nothing_and_is_quarantined(store):
+    ids = _identity().ids()
+    _saved(store, ids)
+    plan = PrefixPlanner(store, LAYOUT, ids, BLOCK).lookup(TOKENS, local=0)
+    chain = store.load_chain(plan.hit.manifest_id)
+    victim = store.chunk_path(next(iter(chain[0].chunk_refs()))[2].content_id)
+    with open(victim, "r+b") as fh:
+        fh.seek(os.path.getsize(victim) - 40)
+        b = fh.read(1)
+        fh.seek(-1, os.SEEK_CUR)
+        fh.write(bytes([b[0] ^ 0x80]))
+    dst_caches = paged_caches(seed=9)
+    untouched = {n: t.clone() for n, t in dst_caches.items()}
+    with pytest.raises(StoreError):
+        load_prefix(store, PagedKV(dst_caches), LAYOUT, ids, _load_spec(plan, tuple(range(40, 62))))
+    assert all(torch.equal(dst_caches[n], untouched[n]) for n in dst_caches)
+    assert os.listdir(os.path.join(store.path, "quarantine"))
+    # the quarantined cut is gone from the index: the next lookup plans the intact 256 cut
+    assert PrefixPlanner(store, LAYOUT, ids, BLOCK).lookup(TOKENS, local=0).stored == 256
+
+
+def test_a_truncated_chunk_is_refused_at_planning_and_the_shallower_cut_is_offered(store):
+    ids = _identity().ids()
+    _saved(store, ids)
+    first = PrefixPlanner(store, LAYOUT, ids, BLOCK).lookup(TOKENS, local=0)
+    top = store.load_chain(first.hit.manifest_id)[0]
+    victim = store.chunk_path(next(iter(top.chunk_refs()))[2].content_id)
+    with open(victim, "r+b") as fh:
+        fh.truncate(os.path.getsize(victim) - 1)
+    plan = PrefixPlanner(store, LAYOUT, ids, BLOCK).lookup(TOKENS, local=0)
+    assert plan.refusals == ["corrupt"] and plan.hit is not None and (plan.stored, plan.hi) == (256, 256)
+
+
+def test_a_load_of_a_foreign_identity_installs_nothing(store):
+    ids = _identity().ids()
+    _saved(store, ids)
+    plan = PrefixPlanner(store, LAYOUT, ids, BLOCK).lookup(TOKENS, local=0)
+    dst_caches = paged_caches(seed=9)
+    untouched = {n: t.clone() for n, t in dst_caches.items()}
+    with pytest.raises(StoreError):
+        load_prefix(store, PagedKV(dst_caches), LAYOUT, _identity(block_size=64).ids(), _load_spec(plan, tuple(range(40, 62))))
+    assert all(torch.equal(dst_caches[n], untouched[n]) for n in dst_caches)
