@@ -2,8 +2,9 @@
 behind the connector, on real tensors and a real pack store (no vLLM needed).
 
 The tensors have exactly the shape and in-block layout vLLM's CPU attention backend hands a
-connector (``[blocks, kv_heads, block_size, 2*head_dim]``; per (block, head): ``block_size`` K
-rows, then ``block_size`` V rows), filled with random values.
+connector (``[blocks, kv_heads, block_size, 2*head_dim]``; per (block, head): K transposed
+``[head_dim, block_size]``, then V ``[block_size, head_dim]``), filled with random values;
+with vLLM installed, the layout is also checked against vLLM's own cache-write kernel.
 """
 
 from __future__ import annotations
@@ -33,15 +34,19 @@ def paged_caches(num_blocks: int = 64, seed: int = 0) -> dict:
 
 
 def slow_rows(cache, block_ids, start, stop):
-    """Token-major K and V rows read one token at a time from the documented layout (the
-    independent reading the vectorised gather is checked against)."""
-    k, v = [], []
-    view = cache.view(cache.shape[0], HEADS, 2 * BLOCK, HEAD_DIM)
+    """Token-major K and V rows read one element at a time from the documented layout (the
+    independent reading the vectorised gather is checked against): per (block, head), K at
+    element ``d * BLOCK + t`` of the first half, V at ``t * HEAD_DIM + d`` of the second."""
+    flat = cache.reshape(cache.shape[0], HEADS, 2, BLOCK * HEAD_DIM)
+    k = torch.empty((stop - start, HEADS * HEAD_DIM))
+    v = torch.empty((stop - start, HEADS * HEAD_DIM))
     for t in range(start, stop):
         b, off = block_ids[t // BLOCK], t % BLOCK
-        k.append(torch.cat([view[b, h, off] for h in range(HEADS)]))
-        v.append(torch.cat([view[b, h, BLOCK + off] for h in range(HEADS)]))
-    return torch.stack(k), torch.stack(v)
+        for h in range(HEADS):
+            for d in range(HEAD_DIM):
+                k[t - start, h * HEAD_DIM + d] = flat[b, h, 0, d * BLOCK + off]
+                v[t - start, h * HEAD_DIM + d] = flat[b, h, 1, off * HEAD_DIM + d]
+    return k, v
 
 
 def test_layers_are_ordered_by_index_and_gaps_are_refused():
@@ -85,12 +90,24 @@ def test_scatter_then_gather_round_trips_and_touches_nothing_else(data):
         if other != name:
             assert torch.equal(t, before[other])
     written = {(block_ids[t // BLOCK], t % BLOCK) for t in range(start, start + n)}
-    view_now = caches[name].view(16, HEADS, 2, BLOCK, HEAD_DIM)
-    view_before = before[name].view(16, HEADS, 2, BLOCK, HEAD_DIM)
+    now = caches[name].reshape(16, HEADS, 2, BLOCK * HEAD_DIM)
+    old = before[name].reshape(16, HEADS, 2, BLOCK * HEAD_DIM)
+    k_now, k_old = now[:, :, 0].reshape(16, HEADS, HEAD_DIM, BLOCK), old[:, :, 0].reshape(16, HEADS, HEAD_DIM, BLOCK)
+    v_now, v_old = now[:, :, 1].reshape(16, HEADS, BLOCK, HEAD_DIM), old[:, :, 1].reshape(16, HEADS, BLOCK, HEAD_DIM)
     for b in range(16):
         for slot in range(BLOCK):
             if (b, slot) not in written:
-                assert torch.equal(view_now[b, :, :, slot], view_before[b, :, :, slot])
+                assert torch.equal(k_now[b, :, :, slot], k_old[b, :, :, slot]) and torch.equal(v_now[b, :, slot], v_old[b, :, slot])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_layout_is_the_one_vllms_cache_kernel_writes(dtype):
+    pytest.importorskip("vllm")
+    from kvpack.integrations.vllm.worker import check_block_layout
+
+    # the kernels take head sizes of 32..512 (SmolLM2's is 64)
+    caches = {f"model.layers.{i}.self_attn.attn": torch.zeros((4, 3, BLOCK, 2 * 64), dtype=getattr(torch, dtype)) for i in range(2)}
+    check_block_layout(PagedKV(caches), "vec", "auto")  # raises if the kernel stores blocks otherwise
 
 
 def test_unusable_tensors_and_ranges_are_refused():

@@ -17,11 +17,13 @@ Start with ``kv_connector_module_path: "kvpack.integrations.vllm"`` and
 from __future__ import annotations
 
 import logging
+import os
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole, KVConnectorTransferResults
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from ...errors import SecurityError
 from .identity import check_kv_cache_config, vllm_identity
 from .meta import KvpackMetadata
 from .scheduler import SchedulerSide, open_store
@@ -51,6 +53,11 @@ class KvpackConnector(KVConnectorBase_V1):
         self._worker: WorkerSide | None = None
         self._disagg: Any = None
         if role == KVConnectorRole.SCHEDULER:
+            if self.settings.role == "kv_producer" and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
+                # finished prefills reach the worker's outbox in the steps after them, which
+                # only vLLM's engine-core loop runs; an in-process offline engine steps only
+                # while a caller waits for its own requests
+                raise SecurityError("config", "kv_producer needs vLLM's engine-core process (unset VLLM_ENABLE_V1_MULTIPROCESSING=0)")
             identity = vllm_identity(vllm_config)
             check_kv_cache_config(identity, kv_cache_config)
             block_size = int(kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size)
@@ -60,7 +67,7 @@ class KvpackConnector(KVConnectorBase_V1):
 
                 self._disagg = SchedulerHandoff(self.settings, identity, block_size, self._scheduler.stats)
         else:
-            self._worker = WorkerSide(self.settings, vllm_config.model_config.hf_config, store)
+            self._worker = WorkerSide(self.settings, vllm_config, store)
             if self.settings.role != "kv_both":
                 from .disagg import WorkerHandoff
 
@@ -116,7 +123,7 @@ class KvpackConnector(KVConnectorBase_V1):
         return None if side is None else side.take_stats()
 
     def shutdown(self) -> None:
-        if self._disagg is not None:
+        if self._disagg is not None and self._worker is not None:
             self._disagg.shutdown()
         if self._worker is not None:
             self._worker.shutdown()

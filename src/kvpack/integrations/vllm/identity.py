@@ -34,6 +34,7 @@ from typing import Any
 from ...engine.contract import LAYER_FULL, CacheLayout, EngineIdentity, LayerSpec
 from ...engine.models import canonical_config, tokenizer_digests
 from ...errors import EngineError
+from .paged import BLOCK_INTERIOR
 
 CONNECTOR_NAME = "kvpack.integrations.vllm"
 CONNECTOR_VERSION = 1
@@ -192,7 +193,7 @@ def vllm_identity(vllm_config: Any) -> EngineIdentity:
         "attention_backend": "CPU_ATTN",
         "attention_isa": isa,
         "kv_cache_layout": CPU_KV_LAYOUT,
-        "block_interior": "per (block, head): block_size K rows, then block_size V rows",
+        "block_interior": BLOCK_INTERIOR,
         "kv_cache_dtype": str(cc.cache_dtype),
         "block_size": block_size,
         "compute_dtype": str(mc.dtype).replace("torch.", ""),

@@ -2,19 +2,22 @@
 
 vLLM (CPU attention backend ``CPU_ATTN``, in-block ISA ``vec``/``vec16``) hands a connector one
 tensor per attention layer, ``[num_blocks, kv_heads, block_size, 2 * head_dim]``, all views
-into one buffer. The attention code reinterprets a block as ``[kv_heads, 2 * block_size,
-head_dim]`` and splits it in the middle: inside each (block, head) come ``block_size`` rows
-of K (one per token slot, ``head_dim`` elements each), then ``block_size`` rows of V.
+into one buffer. The attention kernels split each (block, head) region in two halves of
+``block_size * head_dim`` elements: the first holds K **transposed**, ``[head_dim,
+block_size]`` (element ``d * block_size + t``: the kernel reads K a dimension at a time), the
+second holds V token-major, ``[block_size, head_dim]`` (``cpu_attn_reshape_and_cache``;
+:func:`kvpack.integrations.vllm.worker.check_block_layout` proves this against the kernel at
+start-up and the connector refuses to run where it does not hold).
 
 kvpack exchanges a state ``(layer, role)`` as token-major rows: row ``t`` holds the
 ``kv_heads * head_dim`` elements of token ``t``, heads outer (docs/engine.md). This module
 converts between the two with one gather and one transposing copy per plane (``index_select``
 over the block table, ``permute``), never a Python loop over tokens, and it checks every
-geometry fact it relies on before touching a byte: a tensor that is not exactly this layout
+geometry fact it relies on before touching a byte: a tensor that is not exactly this shape
 is refused (``EngineError("layout")``), never reinterpreted.
 
 It must never write into a block that is not named by the caller's block table, and never
-write a partial block beyond the caller's row range.
+write a slot of a partial block beyond the caller's row range.
 """
 
 from __future__ import annotations
@@ -30,6 +33,9 @@ from ...errors import EngineError
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 _TORCH_TO_WIRE = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
+
+#: the in-block layout this module reads and writes (bound into the engine identity)
+BLOCK_INTERIOR = "per (block, head): K as [head_dim, block_size] (transposed), then V as [block_size, head_dim]"
 
 
 def layer_order(names: Sequence[str]) -> list[str]:
@@ -68,7 +74,7 @@ class PagedGeometry:
             "block_size": self.block_size,
             "head_dim": self.head_dim,
             "dtype": self.dtype,
-            "block_interior": "per (block, head): block_size K rows then block_size V rows, head_dim elements each",
+            "block_interior": BLOCK_INTERIOR,
         }
 
 
@@ -101,8 +107,8 @@ class PagedKV:
                 raise EngineError("unsupported", f"KV cache layer {n} is on {t.device}, this connector handles CPU caches")
             if not t.is_contiguous():
                 raise EngineError("layout", f"KV cache layer {n} is not contiguous")
-            # the attention backend's own reinterpretation: K rows then V rows per (block, head)
-            self.planes.append(t.view(num_blocks, heads, 2, block_size, two_d // 2))
+            # per (block, head): the K half and the V half, block_size * head_dim elements each
+            self.planes.append(t.view(num_blocks, heads, 2, block_size * (two_d // 2)))
         self._torch = torch
 
     # -- reading ------------------------------------------------------------------------------
@@ -123,10 +129,13 @@ class PagedKV:
         tensor (K plane, V plane), token-major: one gather and one transposing copy."""
         g = self.geometry
         ids, b0 = self._block_index(block_ids, start, stop)
-        blocks = self.planes[layer].index_select(0, ids)  # [n, H, 2, bs, D]
-        rows = blocks.permute(2, 0, 3, 1, 4).reshape(2, len(ids) * g.block_size, g.row_elements)  # [2, n*bs, H*D]
-        lo = start - b0 * g.block_size
-        return rows[:, lo : lo + (stop - start)].contiguous()
+        n, H, D, bs = len(ids), g.kv_heads, g.head_dim, g.block_size
+        blocks = self.planes[layer].index_select(0, ids)  # [n, H, 2, bs*D]
+        rows = self._torch.empty((2, n, bs, H, D), dtype=blocks.dtype)
+        rows[0] = blocks[:, :, 0].view(n, H, D, bs).permute(0, 3, 1, 2)  # K^T -> token-major
+        rows[1] = blocks[:, :, 1].view(n, H, bs, D).permute(0, 2, 1, 3)
+        lo = start - b0 * bs
+        return rows.view(2, n * bs, H * D)[:, lo : lo + (stop - start)].contiguous()
 
     # -- writing ------------------------------------------------------------------------------
     def scatter(self, layer: int, block_ids: Sequence[int], start: int, kv_rows) -> None:
@@ -140,13 +149,19 @@ class PagedKV:
         if start % g.block_size:
             raise EngineError("layout", f"a scatter must start on a block boundary (row {start})")
         ids, _b0 = self._block_index(block_ids, start, start + n)
+        H, D, bs = g.kv_heads, g.head_dim, g.block_size
         plane = self.planes[layer]
-        full = n // g.block_size
-        src = kv_rows.view(2, n, g.kv_heads, g.head_dim)
+        full = n // bs
+        src = kv_rows.view(2, n, H, D)
         if full:
-            whole = src[:, : full * g.block_size].reshape(2, full, g.block_size, g.kv_heads, g.head_dim)
-            plane[ids[:full]] = whole.permute(1, 3, 0, 2, 4)  # [n, H, 2, bs, D]
-        tail = n - full * g.block_size
+            whole = src[:, : full * bs].reshape(2, full, bs, H, D)
+            blocks = self._torch.empty((full, H, 2, bs * D), dtype=kv_rows.dtype)
+            blocks[:, :, 0].view(full, H, D, bs).copy_(whole[0].permute(0, 2, 3, 1))  # K transposed
+            blocks[:, :, 1].view(full, H, bs, D).copy_(whole[1].permute(0, 2, 1, 3))
+            plane[ids[:full]] = blocks
+        tail = n - full * bs
         if tail:
-            part = src[:, full * g.block_size :]  # [2, tail, H, D]
-            plane[int(ids[full]), :, :, :tail] = part.permute(2, 0, 1, 3)
+            part = src[:, full * bs :]  # [2, tail, H, D]; only the slots [0, tail) are written
+            region = plane[int(ids[full])]  # [H, 2, bs*D], a view into the cache
+            region[:, 0].view(H, D, bs)[:, :, :tail] = part[0].permute(1, 2, 0)
+            region[:, 1].view(H, bs, D)[:, :tail] = part[1].permute(1, 0, 2)

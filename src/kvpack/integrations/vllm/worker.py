@@ -12,9 +12,11 @@ the thread are bounded (``max_pending_save_bytes``); beyond that a save is skipp
 counted, never queued without bound. A failing save (full disk, I/O error) costs that save,
 never the request or the engine.
 
-Before any load or save, the worker checks the scheduler's identity against the KV tensors
-it really holds: the topology Id32 recomputed from the tensors' geometry and the block size
-must match, or every load and save is refused (a miss).
+At registration the worker proves its reading of vLLM's block interior against vLLM's own
+cache-write kernel (:func:`check_block_layout`) and refuses to start otherwise. Before any
+load or save, it checks the scheduler's identity against the KV tensors it really holds:
+the topology Id32 recomputed from the tensors' geometry and the block size must match, or
+every load and save is refused (a miss).
 
 Never: raise into vLLM's model runner; write blocks outside a spec's block table; keep a
 view into vLLM's blocks past ``wait_for_save``.
@@ -32,7 +34,7 @@ from typing import Any
 from ...engine.contract import CacheLayout, IdentityIds, id32
 from ...errors import EngineError
 from ...store.packstore import PackStore
-from .identity import cache_layout
+from .identity import attention_isa, cache_layout
 from .meta import KvpackMetadata, KvpackWorkerMeta
 from .paged import PagedKV
 from .prefix import CapturedPrefix, capture, load_prefix, publish, refusal_reason
@@ -64,10 +66,43 @@ def widen_affinity() -> None:
         pass
 
 
+def check_block_layout(paged: PagedKV, isa: str, kv_cache_dtype: str) -> None:
+    """Prove the block interior :mod:`.paged` assumes against vLLM's own cache-write kernel.
+
+    Random rows are written into a scratch cache of this geometry by
+    ``cpu_attn_reshape_and_cache`` (what vLLM's attention does with every computed token),
+    1.5 blocks through a shuffled block table; :meth:`PagedKV.gather` must read back exactly
+    those rows, and :meth:`PagedKV.scatter` of the same rows must produce exactly the
+    kernel's bytes. Anything else refuses (``unsupported``): a connector that misreads the
+    layout would store and load wrong KV."""
+    import torch
+    from vllm import _custom_ops as ops
+
+    g = paged.geometry
+    bs, H, D = g.block_size, g.kv_heads, g.head_dim
+    n = bs + bs // 2
+    gen = torch.Generator().manual_seed(7)
+    key = torch.randn((n, H, D), generator=gen).to(paged.torch_dtype)
+    val = torch.randn((n, H, D), generator=gen).to(paged.torch_dtype)
+    table = [2, 0]
+    slots = torch.tensor([table[t // bs] * bs + t % bs for t in range(n)], dtype=torch.long)
+    by_kernel = torch.zeros((3, H, bs, 2 * D), dtype=paged.torch_dtype)
+    kc, vc = by_kernel.view(3, H, 2 * bs, D).chunk(2, dim=2)
+    ops.cpu_attn_reshape_and_cache(key, val, kc, vc, slots, isa, k_scale=1.0, v_scale=1.0, kv_cache_dtype=kv_cache_dtype)
+    rows = torch.stack([key.reshape(n, H * D), val.reshape(n, H * D)])
+    if not torch.equal(PagedKV({"layers.0.probe": by_kernel}).gather(0, table, 0, n), rows):
+        raise EngineError("unsupported", f"vLLM's {isa} cache kernel does not store blocks the way the connector reads them")
+    by_us = torch.zeros_like(by_kernel)
+    PagedKV({"layers.0.probe": by_us}).scatter(0, table, 0, rows)
+    if not torch.equal(by_us, by_kernel):
+        raise EngineError("unsupported", f"the connector does not write blocks the way vLLM's {isa} cache kernel does")
+
+
 class WorkerSide:
-    def __init__(self, settings: Settings, hf_config: Any, store: PackStore | None) -> None:
+    def __init__(self, settings: Settings, vllm_config: Any, store: PackStore | None) -> None:
         self.settings = settings
-        self.hf_config = hf_config
+        self.vllm_config = vllm_config
+        self.hf_config = vllm_config.model_config.hf_config
         self.store = store
         self.paged: PagedKV | None = None
         self.layout: CacheLayout | None = None
@@ -85,9 +120,12 @@ class WorkerSide:
 
     # -- registration and identity -------------------------------------------------------------
     def register(self, kv_caches: dict[str, Any]) -> None:
-        self.paged = PagedKV(kv_caches)
-        g = self.paged.geometry
+        paged = PagedKV(kv_caches)
+        g = paged.geometry
+        mc, cc = self.vllm_config.model_config, self.vllm_config.cache_config
+        check_block_layout(paged, attention_isa(mc.dtype, g.block_size, g.head_dim, str(cc.cache_dtype)), str(cc.cache_dtype))
         self.layout = cache_layout(self.hf_config, g.kv_heads, g.head_dim, g.dtype)
+        self.paged = paged
 
     def _identity_refusal(self, meta: KvpackMetadata) -> str | None:
         """None when the scheduler's identity describes the tensors this worker holds."""
