@@ -173,8 +173,19 @@ class Engine:
         except queue.Empty:
             raise TimeoutError(f"vLLM harness gave no answer within {timeout_s:.0f} s (log: {self.log_path})") from None
         if got is None:
-            raise RuntimeError(f"vLLM harness exited (rc={self.proc.poll()}; log: {self.log_path})")
+            raise RuntimeError(f"vLLM harness exited (rc={self.proc.poll()}; log: {self.log_path}):\n{self.log_tail()}")
         return got
+
+    def log_tail(self, nbytes: int = 6000) -> str:
+        """The end of the engine's log (pytest removes old temporary directories, so a
+        failure message carries what killed the engine)."""
+        try:
+            self._log.flush()
+            with open(self.log_path, "rb") as fh:
+                fh.seek(max(0, os.path.getsize(self.log_path) - nbytes))
+                return fh.read().decode("utf-8", "replace")
+        except OSError as exc:
+            return f"(log unreadable: {exc})"
 
     def call(self, cmd: dict[str, Any], timeout_s: float = 600.0) -> dict[str, Any]:
         if not self.ready:

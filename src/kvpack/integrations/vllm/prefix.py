@@ -171,11 +171,16 @@ def refusal_reason(exc: BaseException) -> str:
 
 
 class _Identity:
-    """The engine facade PackStore asks for identity ids (``session.engine.ids()``)."""
+    """What PackStore asks of a session's engine that is not a whole kvpack ``Engine``:
+    ``session.engine.identity.ids()``, and the identity it hands back to ``begin_install``
+    (this object itself: the ids are all a vLLM request's blocks are bound to)."""
 
     def __init__(self, ids: IdentityIds) -> None:
         self._ids = ids
-        self.identity = ids
+
+    @property
+    def identity(self) -> "_Identity":
+        return self
 
     def ids(self) -> IdentityIds:
         return self._ids
@@ -247,7 +252,7 @@ class _PagedTarget:
         self.engine = _Identity(ids)
 
     def begin_install(self, cut: int, token_ids: Sequence[int], identity: Any) -> _PagedInstall:
-        if identity != self.engine.identity or cut != self.spec.cut:
+        if identity is not self.engine.identity or cut != self.spec.cut:
             raise EngineError("identity", "install for another identity or cut")
         return _PagedInstall(self.paged, self.layout, self.spec)
 

@@ -52,7 +52,7 @@ def open_store(path: str, root_key_file: str | None = None) -> PackStore:
     try:
         return PackStore.open(path, root_key_file=root_key_file)
     except StoreError as exc:
-        if exc.category != "usage":
+        if exc.category != "no_store":  # anything else (wrong key, damaged store.json) refuses
             raise
     try:
         return PackStore.init(path, root_key_file=root_key_file)

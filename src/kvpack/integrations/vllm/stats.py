@@ -87,8 +87,7 @@ class KvpackPromMetrics(KVConnectorPromMetrics):
         for name, doc in SECONDS.items():
             metric = self._counter_cls(name=f"vllm:kvpack_{name}_seconds", documentation=doc, labelnames=labelnames)
             self._counters[f"{name}_s"] = create_metric_per_engine(metric, per_engine_labelvalues)
-        refusals = self._counter_cls(name="vllm:kvpack_refusals_by_reason", documentation="Refusals by reason.", labelnames=[*labelnames, "reason"])
-        self._refusals = refusals
+        self._refusals: Any = self._counter_cls(name="vllm:kvpack_refusals_by_reason", documentation="Refusals by reason.", labelnames=[*labelnames, "reason"])
         self._labels = per_engine_labelvalues
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
