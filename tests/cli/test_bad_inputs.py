@@ -707,6 +707,14 @@ def test_sigint_is_exit_130(world):
     assert err.strip().splitlines()[-1] == "kvpack: interrupted: interrupted"
 
 
+@special(issue=True)
+def test_identity_mismatch_at_start_names_the_thread_count(world):
+    """The issue: the thread-count mismatch error never said "threads"."""
+    r = run_cli(["receiver", "--config", world.rcfg, "--engine", "arrays:4:2:16", "--no-metrics", "--socket", f"{world.root}/t.sock"])
+    check_contract(r, 2, "config")
+    assert "--threads" in r.line and "thread count is part of the identity" in r.line
+
+
 # -- the walk's size and the issue's cases ----------------------------------------------------------
 
 

@@ -282,7 +282,9 @@ class ReceiverNode:
         if self.exact.to_json() != cfg.identity or self.target != cfg.target_cache_identity_sha256:
             raise SecurityError(
                 "config",
-                f"{cfg.path}: the loaded engine's identity differs from the configured identity (enroll the receiver with this engine's --identity file)",
+                f"{cfg.path}: the loaded engine's identity differs from the configured identity: run the --engine and --threads "
+                "the identity file was written with (the thread count is part of the identity), or enroll the receiver with "
+                "this engine's identity (kvpack identity --engine ... --threads ...)",
             )
         self.ladder = Ladder(engine, self.resident, self.store)
         self.slots = DecodeSlots(engine.new_session, self.decode_slot_count)
