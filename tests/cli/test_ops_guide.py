@@ -1,6 +1,7 @@
 """docs/operations.md works as written: its one-host section is a script this test extracts
-and runs with bash, start to finish (real model, real daemons on loopback, curl and jq), and
-its example migration config (node.json) is accepted by the strict config loader."""
+and runs with bash, start to finish (real model, real daemons on loopback: two prefill nodes
+and one decode node serving both; curl and jq), and its example migration config (node.json)
+is accepted by the strict config loader."""
 
 from __future__ import annotations
 
@@ -44,6 +45,7 @@ def test_one_host_section_runs_as_written(tmp_path):
         PYTHONPATH=str(REPO / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""),
         WORK=str(work),
         CONTROL_PORT=str(free_port()),
+        CONTROL_PORT_B=str(free_port()),
     )
     proc = subprocess.run(["bash", "-c", loopback_script()], capture_output=True, text=True, env=env, timeout=1200)
     (tmp_path / "script.out").write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
@@ -52,15 +54,18 @@ def test_one_host_section_runs_as_written(tmp_path):
     out = proc.stdout
     assert "700 srv/decode-a" in out and "600 srv/decode-a/tls/node.key" in out  # modes survived the copy
     assert '"ready":true' in out and "kvpack_model_info{" in out
-    assert "full_transfer" in out and re.search(r"^committed\t", out, re.M)
+    assert "full_transfer" in out
+    # one decode node served both prefill nodes: a committed receipt names each
+    assert re.search(r"^committed\tprefill-a\t", out, re.M) and re.search(r"^committed\tprefill-b\t", out, re.M), out[-3000:]
     assert 'id="ready" class="ok">ready' in out
     assert out.rstrip().endswith(f"loopback cluster OK in {work}")
-    for log in ("producer.log", "receiver.log"):  # not a terminal: no third-party progress bars
+    for log in ("producer.log", "producer-b.log", "receiver.log"):  # not a terminal: no third-party progress bars
         text = (work / log).read_text()
         assert "Loading weights" not in text and "\r" not in text, text[-2000:]
         assert all(json.loads(line)["event"] for line in text.splitlines() if line.strip())
-    reply = json.loads((work / "reply.json").read_text())
-    assert reply["ok"] and reply["result"]["transfer"]["payload_bytes"] > 0
+    for name in ("reply.json", "reply-b.json"):
+        reply = json.loads((work / name).read_text())
+        assert reply["ok"] and reply["result"]["transfer"]["payload_bytes"] > 0, reply
 
 
 def test_node_json_example_is_accepted(tmp_path):
