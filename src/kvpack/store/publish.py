@@ -19,7 +19,7 @@ import hashlib
 import secrets
 import time
 from collections.abc import Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any
 
 from ..engine.contract import CacheLayout, SpanExport
@@ -210,28 +210,41 @@ def _commit_index(store: PackStore, node_id: bytes, mid: bytes) -> bytes:
 # -- chunks ---------------------------------------------------------------------------------
 
 
+def save_threads(store: PackStore) -> int:
+    """Threads a save writes chunk objects on: ``store.workers`` hashing and encoding plus as
+    many again waiting in write + fsync, so the disk always has that many objects in flight
+    (hashlib and the AEAD release the GIL on large buffers, and so do the system calls).
+    One worker means one thread: the crash tests number the steps of a save."""
+    return 1 if store.workers <= 1 else 2 * store.workers
+
+
 def _write_chunks(store: PackStore, session: Any, ctx: _Context, schema: Any, report: SaveReport, cut: int) -> dict:
     refs: dict = {fs.key: [None] * len(rs.spans) for fs, rs in zip(ctx.family.states, schema.states)}
     jobs = [(fs, i, span) for fs, rs in zip(ctx.family.states, schema.states) for i, span in enumerate(rs.spans)]
-    # export from the engine on this thread (engines need not be thread-safe), hash and
-    # write on the pool (hashlib and the AEAD release the GIL on large buffers)
-    with ThreadPoolExecutor(store.workers) as pool:
-        pending: list[Future] = []
-        for (fs, i, span), (plaintext, release) in zip(jobs, _span_exports(store, session, jobs, cut)):
-            fut = pool.submit(_write_one_chunk, store, ctx, fs, i, span, plaintext)
-            if release is not None:  # a pinned export buffer: reusable once the job is done
-                fut.add_done_callback(_releaser(release))
-            pending.append(fut)
-            if len(pending) >= 2 * store.workers:
-                _collect(pending.pop(0), refs, report)
-        for fut in pending:
-            _collect(fut, refs, report)
+    threads = save_threads(store)
+    # export from the engine on this thread (engines need not be thread-safe), hash, encode
+    # and write on the pool; results are collected as they complete (no head-of-line wait),
+    # at most 2 * threads chunks in flight (their export buffers are pinned on CUDA)
+    with ThreadPoolExecutor(threads) as pool:
+        pending: dict[Future, Any] = {}  # future -> its export buffer's release (or None)
+        try:
+            for (fs, i, span), (plaintext, release) in zip(jobs, _span_exports(store, session, jobs, cut)):
+                pending[pool.submit(_write_one_chunk, store, ctx, fs, i, span, plaintext, release)] = release
+                if len(pending) >= 2 * threads:
+                    done, _ = wait(pending, return_when=FIRST_COMPLETED)
+                    for fut in done:
+                        del pending[fut]
+                        _collect(fut, refs, report)
+            for fut in list(pending):
+                del pending[fut]
+                _collect(fut, refs, report)
+        except BaseException:
+            for fut, release in pending.items():
+                if fut.cancel() and release is not None:
+                    release()  # never ran: its buffer goes back here
+            raise
     store.env.commit("chunks/")
     return refs
-
-
-def _releaser(release: Any) -> Any:
-    return lambda _fut: release()
 
 
 def _span_plaintext(session: Any, layer: int, role: str, start: int, stop: int, cut: int) -> memoryview | bytes | bytearray:
@@ -292,35 +305,41 @@ def _collect(fut: Future, refs: dict, report: SaveReport) -> None:
         report.chunks_reused += 1
 
 
-def _write_one_chunk(store: PackStore, ctx: _Context, fs: Any, index: int, span: Any, plaintext: Any) -> tuple:
-    content_id = chunk_content_id(
-        store.keys.chunk_identity,
-        store.tenant,
-        ctx.family_digest,
-        fs.key.layer,
-        fs.key.name,
-        span.token_start,
-        span.token_count,
-        span.plaintext_offset,
-        plaintext,
-    )
-    name = chunk_name(content_id)
-    ref = _existing_ref(store, ctx, fs, span, name, content_id)
-    if ref is not None:
-        return fs.key, index, ref, False, span.plaintext_bytes
-    salt, nonce = _salt_nonce(store)
-    chunk = encode_chunk(
-        keys=store.keys,
-        family_digest=ctx.family_digest,
-        key=fs.key,
-        span=span,
-        plaintext=plaintext,
-        codec=fs.codec,
-        encrypted=store.encrypted,
-        salt=salt,
-        nonce=nonce,
-        content_id=content_id,
-    )
+def _write_one_chunk(store: PackStore, ctx: _Context, fs: Any, index: int, span: Any, plaintext: Any, release: Any = None) -> tuple:
+    """Content id, reuse or encode, write: one chunk. ``release`` (a pinned export buffer's)
+    runs as soon as the plaintext is no longer read: after encoding, before the write."""
+    try:
+        content_id = chunk_content_id(
+            store.keys.chunk_identity,
+            store.tenant,
+            ctx.family_digest,
+            fs.key.layer,
+            fs.key.name,
+            span.token_start,
+            span.token_count,
+            span.plaintext_offset,
+            plaintext,
+        )
+        name = chunk_name(content_id)
+        ref = _existing_ref(store, ctx, fs, span, name, content_id)
+        if ref is not None:
+            return fs.key, index, ref, False, span.plaintext_bytes
+        salt, nonce = _salt_nonce(store)
+        chunk = encode_chunk(
+            keys=store.keys,
+            family_digest=ctx.family_digest,
+            key=fs.key,
+            span=span,
+            plaintext=plaintext,
+            codec=fs.codec,
+            encrypted=store.encrypted,
+            salt=salt,
+            nonce=nonce,
+            content_id=content_id,
+        )
+    finally:
+        if release is not None:
+            release()
     if not store.env.write(name, chunk.obj, create_only=True, batch=True):
         # another publisher created it meanwhile: adopt theirs if it verifies, else replace
         ref = _existing_ref(store, ctx, fs, span, name, content_id)
