@@ -113,7 +113,7 @@ _POOLS: dict[tuple, Any] = {}
 _POOLS_LOCK = threading.Lock()
 
 
-def _pool_for(kind: str, device: Any, nbytes: int, factory: Callable[[], Any]):
+def _pool_for(kind: str, device: Any, nbytes: Any, factory: Callable[[], Any]):
     key = (kind, str(device), nbytes)
     with _POOLS_LOCK:
         pool = _POOLS.get(key)

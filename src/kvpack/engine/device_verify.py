@@ -1,30 +1,35 @@
 """Restore staging for chunks whose two long hashes run on the device (the GPU verify path).
 
-The store's restore reads chunk objects in *waves* of up to ``wave_chunks`` objects. A
-wave owns one pinned host buffer and one device buffer of ``wave_chunks`` object slots, a
-job table, and its own hash stream:
+The store's restore reads chunk objects in *waves*. A wave owns one pinned host buffer and
+one device buffer of ``wave_bytes``, into which its objects are packed back to back (each
+slot 4096-aligned and as large as the object, or as its plaintext placed after the frame
+header, whichever is larger), a job table with two rows per object, and a hash stream:
 
 1. store workers read each object file into its host slot, run every CPU check of A.5 that
    does not need the long hashes (``format.chunk.decode_chunk_deferred``: header, padding,
-   bindings, object key, frame); chunks that are not raw and unencrypted are decoded on
-   the CPU instead and their plaintext is put where a raw frame's would be;
-2. :meth:`Wave.launch` queues, on the wave's own stream, one host-to-device copy of the
-   wave's slots (the *whole objects*), one SHA-256 job per object (the object digest) and
-   one per plaintext (the content-ID HMAC's inner hash, with the HMAC inner block and the
-   A.2 prefix as the job's head), then the copy of the digests back to pinned memory;
+   bindings, object key, frame) and write the object's two job rows (:meth:`Wave.set_jobs`);
+   chunks that are not raw and unencrypted are decoded on the CPU instead, their plaintext
+   is put where a raw frame's would be, and their job rows hash nothing;
+2. :meth:`Wave.launch` queues, on the wave's stream, one host-to-device copy of the packed
+   slots, one SHA-256 job per object (the object digest) and one per plaintext (the
+   content-ID HMAC's inner hash, with the HMAC inner block and the A.2 prefix as the job's
+   head), then the copy of the digests back to pinned memory;
 3. :meth:`Wave.digests` waits for them; the store finishes each chunk's checks
    (``DeferredChunk.finish``) and only then installs its rows *from the device copy that
    was hashed*, with the install's transposing copy;
 4. :meth:`Wave.release` returns the wave to the ring once those copies have run.
 
-Waves run on separate streams, so a wave hashes while later waves are read and uploaded.
-The kernel's time is set by the longest message (one 4 MiB chunk object per thread), not
-by the number of messages, which is why independent waves overlap so well.
+Waves are spread over at most :data:`MAX_STREAMS` streams (CUDA maps streams onto 8
+hardware queues by default; more would only add false dependencies), so a wave hashes while
+later waves are read and uploaded. The kernel's time is set by the longest message, one
+chunk object per GPU thread: the store's chunk size is the restore's per-wave latency, and
+the number of messages in flight is its hashing throughput.
 
 On a CPU device (the CI tests) the same class runs with host tensors, no streams, and the
 digests computed by hashlib from the job table's addresses (:func:`hash_jobs_on_host`):
 the whole pipeline, its routing and its refusals are exercised without a GPU; only the
-kernel itself needs one (tests/gpu).
+kernel itself needs one (tests/gpu). This module never reads files and never decides what
+is verified: the pipeline in :mod:`kvpack.engine.restore` does.
 """
 
 from __future__ import annotations
@@ -42,6 +47,97 @@ from .lazy_torch import load_torch as _torch
 
 #: Where a raw frame's plaintext starts inside its object (header + frame header).
 PLAINTEXT_OFFSET = C.HEADER_BYTES + C.CODEC_FRAME_HEADER_BYTES
+#: Streams a ring spreads its waves over (the default number of CUDA hardware queues).
+MAX_STREAMS = 8
+
+
+def slot_bytes(object_bytes: int, plaintext_bytes: int) -> int:
+    """Bytes a chunk takes in a wave: its object, or its plaintext placed after the frame
+    header (a lossless chunk's plaintext is larger than its object), 4096-aligned."""
+    need = max(object_bytes, PLAINTEXT_OFFSET + plaintext_bytes)
+    return -(-need // C.ALIGNMENT) * C.ALIGNMENT
+
+
+def write_job_rows(table, heads, i: int, slot_addr: int, heads_addr: int, object_bytes: int, plaintext_bytes: int, head: bytes) -> None:
+    """The two job rows of slot ``i`` (numpy views of a wave's table and heads): the
+    object's SHA-256 at ``slot_addr`` and ``head || plaintext`` after its frame header
+    (both zero-length for a chunk verified on the host). ``heads_addr`` is the device
+    address of ``heads`` row 0. Shared by the reading threads and processes."""
+    import numpy as np
+
+    if len(head) > gpu_digest.HEAD_BYTES:
+        raise ValueError("job head too long")
+    row = 2 * i
+    table[row] = (slot_addr, 0, object_bytes, 0)
+    table[row + 1] = (slot_addr + PLAINTEXT_OFFSET, heads_addr + (row + 1) * gpu_digest.HEAD_BYTES, plaintext_bytes, len(head))
+    if head:
+        heads[row + 1, : len(head)] = np.frombuffer(head, dtype=np.uint8)
+
+
+def table_bytes(wave_chunks: int) -> int:
+    """Bytes of one wave's job table plus heads (two jobs per object)."""
+    return 2 * wave_chunks * (4 * 8 + gpu_digest.HEAD_BYTES)
+
+
+class SharedStaging:
+    """Host staging every wave of a ring lives in: one shared anonymous mapping (a memfd,
+    so reader processes map the same pages, kvpack.engine.chunk_readers), registered with
+    CUDA as pinned memory on a CUDA ring. Falls back to ordinary pinned memory (and no
+    reader processes) where either step is unavailable; ``shared`` says which."""
+
+    def __init__(self, nbytes: int, cuda: bool) -> None:
+        import mmap
+        import os
+
+        torch = _torch()
+        self.nbytes = nbytes
+        self.fd = -1
+        self.map: Any = None
+        self.pinned = False
+        try:
+            fd = os.memfd_create("kvpack-staging", getattr(os, "MFD_CLOEXEC", 1))
+        except (AttributeError, OSError):
+            fd = -1
+        if fd >= 0:
+            try:
+                os.ftruncate(fd, nbytes)
+                self.map = mmap.mmap(fd, nbytes)
+                self.fd = fd
+            except OSError:
+                os.close(fd)
+        if self.map is not None:
+            with torch.inference_mode(False):
+                self.tensor = torch.frombuffer(self.map, dtype=torch.uint8)
+            self.pinned = cuda and _register_pinned(self.tensor)
+            if cuda and not self.pinned:  # unpinned copies would be slow: pinned, unshared
+                self._drop_shared()
+        if self.map is None:
+            with torch.inference_mode(False):
+                self.tensor = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
+            self.pinned = cuda
+
+    @property
+    def shared(self) -> bool:
+        return self.fd >= 0
+
+    def _drop_shared(self) -> None:
+        import os
+
+        del self.tensor
+        self.map.close()
+        os.close(self.fd)
+        self.map, self.fd = None, -1
+
+
+def _register_pinned(tensor) -> bool:
+    """cudaHostRegister ``tensor``'s memory (page-aligned); True if CUDA now treats it as
+    pinned memory (asynchronous host-to-device copies)."""
+    torch = _torch()
+    try:
+        err = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), tensor.numel(), 0)
+        return int(err) == 0 and bool(tensor.is_pinned())
+    except Exception:  # noqa: BLE001 - no runtime binding: fall back to pinned allocations
+        return False
 
 
 def hash_jobs_on_host(table, count: int) -> list[bytes]:
@@ -60,89 +156,103 @@ def hash_jobs_on_host(table, count: int) -> list[bytes]:
 
 
 class Wave:
-    """One ring entry: host and device slots for ``capacity`` chunk objects, the job table
-    for their ``2 * capacity`` hashes, a stream and the events that order them."""
+    """One ring entry: packed host and device slots for up to ``ring.wave_chunks`` chunk
+    objects in ``ring.wave_bytes``, the job table for their two hashes each (rows ``2i``:
+    object ``i``, ``2i + 1``: its content), a stream and the events that order them."""
 
-    def __init__(self, ring: "WaveRing", capacity: int) -> None:
+    def __init__(self, ring: "WaveRing", index: int, segment: int, slot: int) -> None:
+        import numpy as np
+
         torch = _torch()
         self.ring = ring
-        self.capacity = capacity
         cuda = ring.cuda
+        jobs = 2 * ring.wave_chunks
+        #: where this wave lives in the ring's shared staging: segment, data, job table, heads
+        self.segment = segment
+        self.base = slot * ring.wave_stride
+        self.table_at = self.base + ring.wave_bytes
+        self.heads_at = self.table_at + jobs * 32
+        staging = ring.segments[segment].tensor
         with torch.inference_mode(False):
-            self.host = torch.empty(capacity * SLOT_BYTES, dtype=torch.uint8, pin_memory=cuda)
-            self.dev = torch.empty(capacity * SLOT_BYTES, dtype=torch.uint8, device=ring.device)
-            jobs = 2 * capacity
-            self.table = torch.zeros((jobs, 4), dtype=torch.int64, pin_memory=cuda)
-            self.heads = torch.zeros((jobs, gpu_digest.HEAD_BYTES), dtype=torch.uint8, pin_memory=cuda)
+            self.host = staging[self.base : self.base + ring.wave_bytes]
+            self.table = staging[self.table_at : self.heads_at].view(torch.int64).view(jobs, 4)
+            self.heads = staging[self.heads_at : self.heads_at + jobs * gpu_digest.HEAD_BYTES].view(jobs, gpu_digest.HEAD_BYTES)
+            self.dev = torch.empty(ring.wave_bytes, dtype=torch.uint8, device=ring.device)
             self.out_host = torch.zeros((jobs, 8), dtype=torch.int32, pin_memory=cuda)
             if cuda:
                 self.table_dev = torch.empty_like(self.table, device=ring.device)
                 self.heads_dev = torch.empty_like(self.heads, device=ring.device)
                 self.out_dev = torch.empty((jobs, 8), dtype=torch.int32, device=ring.device)
         self.host_np = self.host.numpy()
-        self.stream = torch.cuda.Stream(ring.device) if cuda else None
+        self.table_np = self.table.numpy()
+        self.heads_np = self.heads.numpy()
+        self.dev_base = self.dev.data_ptr()
+        self.heads_base = self.heads_dev.data_ptr() if cuda else self.heads.data_ptr()
+        self.offsets = np.zeros(ring.wave_chunks + 1, dtype=np.int64)
+        self.sizes: list[int] = []
+        self.starts: list[int] = [0]
+        self.count = 0
+        self.stream = ring.streams[index % len(ring.streams)] if cuda else None
         # torch is untyped (Any); the events exist exactly when the ring is on CUDA.
         self.hashed: Any = torch.cuda.Event() if cuda else None
         self.installed: Any = torch.cuda.Event() if cuda else None
         self._installed_pending = False
-        self._count = 0
-        self._host_digests: list[bytes] = []
+        self._launched = False
+        self._host_digests = b""
+
+    # -- step 0: the layout of this wave ------------------------------------------------------
+    def plan(self, sizes: list[int]) -> None:
+        """Pack slots of ``sizes`` bytes (see :func:`slot_bytes`) from offset 0."""
+        import numpy as np
+
+        if len(sizes) > self.ring.wave_chunks or sum(sizes) > self.ring.wave_bytes:
+            raise ValueError("wave over capacity")
+        self.count = len(sizes)
+        self.sizes = list(sizes)
+        self.offsets[0] = 0
+        self.offsets[1 : self.count + 1] = np.cumsum(sizes, dtype=np.int64)
+        self.starts = self.offsets[: self.count + 1].tolist()  # plain ints for the per-chunk paths
+        self._launched = False
+
+    @property
+    def used_bytes(self) -> int:
+        return int(self.offsets[self.count])
 
     # -- step 1: the workers --------------------------------------------------------------
     def slot_view(self, i: int) -> memoryview:
         """Writable host memory of slot ``i`` (a chunk object file is read into it)."""
-        return memoryview(self.host_np)[i * SLOT_BYTES : (i + 1) * SLOT_BYTES]
+        return memoryview(self.host_np)[self.starts[i] : self.starts[i + 1]]
 
-    def place_plaintext(self, i: int, plaintext) -> None:
-        """Put a plaintext verified on the host (encrypted or lossless chunk) into host slot
-        ``i`` where a raw frame's plaintext would be; it travels with the wave's upload."""
-        import numpy as np
+    def set_jobs(self, i: int, object_bytes: int, plaintext_bytes: int, head: bytes) -> None:
+        """The two job rows of slot ``i`` (:func:`write_job_rows`). Called by the worker
+        that read slot ``i`` (rows of different slots are independent)."""
+        write_job_rows(self.table_np, self.heads_np, i, self.dev_base + self.starts[i], self.heads_base, object_bytes, plaintext_bytes, head)
 
-        arr = np.frombuffer(plaintext, dtype=np.uint8)
-        lo = i * SLOT_BYTES + PLAINTEXT_OFFSET
-        if arr.size and arr.ctypes.data == self.host_np.ctypes.data + lo:
-            return  # a raw chunk verified in its slot: its plaintext is already there
-        self.host_np[lo : lo + arr.size] = arr
+    def geometry(self) -> tuple[int, int, int, int, int, int]:
+        """Where a reader process writes this wave: the staging segment, (data, table,
+        heads) offsets in it, the device address of the data and of the heads."""
+        return self.segment, self.base, self.table_at, self.heads_at, self.dev_base, self.heads_base
 
     # -- step 2: upload and hashing ----------------------------------------------------------
-    def launch(self, used: int, objects: list[tuple[int, int]], contents: list[tuple[int, int, bytes]]) -> None:
-        """Upload the first ``used`` slots (one host-to-device copy) and queue the hashes:
-        ``objects`` = (slot, object bytes) for the object digests, ``contents`` = (slot,
-        plaintext bytes, head) for the content-ID inner hashes. Every read of the wave must
-        have finished."""
-        import numpy as np
-
+    def launch(self) -> None:
+        """Upload the packed slots (one host-to-device copy) and queue the hashes of every
+        job row. Every read of the wave must have finished."""
         torch = _torch()
-        n_obj = len(objects)
-        self._count = count = n_obj + len(contents)
-        base = self.dev.data_ptr()
-        head_base = self.heads_dev.data_ptr() if self.ring.cuda else self.heads.data_ptr()
-        table = self.table.numpy()
-        if count:
-            slots = np.array([i for i, _ in objects] + [i for i, _, _ in contents], dtype=np.int64)
-            table[:count, 0] = base + slots * SLOT_BYTES
-            table[n_obj:count, 0] += PLAINTEXT_OFFSET
-            table[:count, 1] = head_base + np.arange(count, dtype=np.int64) * gpu_digest.HEAD_BYTES
-            table[:count, 2] = [n for _, n in objects] + [n for _, n, _ in contents]
-            table[:n_obj, 3] = 0
-            heads = self.heads.numpy()
-            for j, (_i, _n, head) in enumerate(contents, start=n_obj):
-                if len(head) > gpu_digest.HEAD_BYTES:
-                    raise ValueError("job head too long")
-                heads[j, : len(head)] = np.frombuffer(head, dtype=np.uint8)
-                table[j, 3] = len(head)
-        nbytes = used * SLOT_BYTES
+        jobs = 2 * self.count
+        nbytes = self.used_bytes
+        self._launched = True
         if not self.ring.cuda:
             self.dev[:nbytes].copy_(self.host[:nbytes])
-            self._host_digests = hash_jobs_on_host(table, count)
+            self._host_digests = b"".join(hash_jobs_on_host(self.table_np, jobs))
             return
         with torch.cuda.stream(self.stream):
-            self.dev[:nbytes].copy_(self.host[:nbytes], non_blocking=True)
-            if count:
-                self.table_dev[:count].copy_(self.table[:count], non_blocking=True)
-                self.heads_dev[:count].copy_(self.heads[:count], non_blocking=True)
-                gpu_digest.launch(self.table_dev, self.out_dev, count, stream=self.stream)
-                self.out_host[:count].copy_(self.out_dev[:count], non_blocking=True)
+            if nbytes:
+                self.dev[:nbytes].copy_(self.host[:nbytes], non_blocking=True)
+            if jobs:
+                self.table_dev[:jobs].copy_(self.table[:jobs], non_blocking=True)
+                self.heads_dev[:jobs].copy_(self.heads[:jobs], non_blocking=True)
+                gpu_digest.launch(self.table_dev, self.out_dev, jobs, stream=self.stream)
+                self.out_host[:jobs].copy_(self.out_dev[:jobs], non_blocking=True)
             self.hashed.record(self.stream)
 
     # -- step 3: results and install -------------------------------------------------------
@@ -150,14 +260,13 @@ class Wave:
         """Whether :meth:`digests` would return without waiting."""
         return True if not self.ring.cuda else self.hashed.query()
 
-    def digests(self) -> list[bytes]:
-        """The digests of the launched jobs, in launch order (waits for the kernel)."""
+    def digests(self) -> bytes:
+        """The 32-byte digests of the job rows, concatenated in row order (waits for the
+        kernel): object ``i``'s at ``64 i``, its content's at ``64 i + 32``."""
         if not self.ring.cuda:
             return self._host_digests
         self.hashed.synchronize()
-        words = self.out_host[: self._count].numpy().view("uint32")
-        raw = words.astype(">u4").tobytes()
-        return [raw[32 * j : 32 * j + 32] for j in range(self._count)]
+        return self.out_host[: 2 * self.count].numpy().view("uint32").astype(">u4").tobytes()
 
     def order_installs(self) -> None:
         """Make the current stream wait for this wave's uploads and hashes: the install
@@ -169,14 +278,24 @@ class Wave:
     def rows(self, i: int, offset: int, nbytes: int):
         """Device bytes ``[offset, offset + nbytes)`` of slot ``i``'s plaintext (call
         :meth:`order_installs` once before copying from them)."""
-        lo = i * SLOT_BYTES + PLAINTEXT_OFFSET + offset
+        lo = int(self.offsets[i]) + PLAINTEXT_OFFSET + offset
         return self.dev[lo : lo + nbytes]
+
+    def evenly_spaced(self, first: int, count: int) -> bool:
+        """Whether slots ``first .. first + count - 1`` are equally sized neighbours (one
+        strided view covers them)."""
+        size = self.sizes[first]
+        return all(s == size for s in self.sizes[first : first + count])
 
     def row_blocks(self, first: int, count: int, offset: int, nbytes: int):
         """``count`` equal row blocks, slot ``first`` onwards, each ``[offset, offset +
-        nbytes)`` of its slot's plaintext: a (count, nbytes) strided view, no copy."""
-        lo = first * SLOT_BYTES + PLAINTEXT_OFFSET + offset
-        return self.dev[lo:].as_strided((count, nbytes), (SLOT_BYTES, 1))
+        nbytes)`` of its slot's plaintext: a (count, nbytes) strided view, no copy. The
+        slots must be :meth:`evenly_spaced`."""
+        if not self.evenly_spaced(first, count):
+            raise ValueError("row blocks over unevenly spaced slots")
+        stride = int(self.offsets[first + 1] - self.offsets[first])
+        lo = int(self.offsets[first]) + PLAINTEXT_OFFSET + offset
+        return self.dev[lo:].as_strided((count, nbytes), (stride, 1))
 
     def release(self) -> None:
         """Back to the ring; reused only after the install copies queued so far have run."""
@@ -190,34 +309,63 @@ class Wave:
         if self._installed_pending:
             self.installed.synchronize()
             self._installed_pending = False
-        if self.ring.cuda:
+        if self.ring.cuda and self._launched:
             self.hashed.synchronize()  # a refused restore may leave a kernel reading the slots
 
 
 class WaveRing:
-    """``waves`` :class:`Wave` buffers of ``wave_chunks`` slots for one device (kept for
-    reuse: pinning memory is slow)."""
+    """``waves`` :class:`Wave` buffers of ``wave_bytes`` and at most ``wave_chunks`` objects
+    each for one device, spread over at most :data:`MAX_STREAMS` streams (kept for reuse:
+    pinning memory is slow)."""
 
-    def __init__(self, device: Any, *, wave_chunks: int, waves: int) -> None:
+    def __init__(self, device: Any, *, wave_bytes: int, wave_chunks: int, waves: int) -> None:
         torch = _torch()
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
+        self.wave_bytes = wave_bytes
         self.wave_chunks = wave_chunks
+        self.wave_stride = -(-(wave_bytes + table_bytes(wave_chunks)) // C.ALIGNMENT) * C.ALIGNMENT
+        self.streams: list[Any] = []
         self._free: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self.waves = 0
+        self.segments: list[SharedStaging] = []
+        self._readers: Any = None
         self.grow(waves)
 
-    def grow(self, waves: int) -> None:
+    def readers(self, processes: int) -> Any:
+        """The reader processes of this ring's shared staging (started at first use; a
+        ring that grew gets a new pool that maps every segment), or None where the
+        staging is not shared (kvpack.engine.chunk_readers)."""
+        if processes < 1 or not all(seg.shared for seg in self.segments):
+            return None
         with self._lock:
-            while self.waves < waves:
-                self._free.put(Wave(self, self.wave_chunks))
-                self.waves += 1
+            if self._readers is not None and self._readers.segments != len(self.segments):
+                self._readers.close()
+                self._readers = None
+            if self._readers is None:
+                from .chunk_readers import ReaderPool
+
+                self._readers = ReaderPool([(seg.fd, seg.nbytes) for seg in self.segments], processes)
+            self._readers.ensure(processes)
+            return self._readers
+
+    def grow(self, waves: int) -> None:
+        torch = _torch()
+        with self._lock:
+            while self.cuda and len(self.streams) < min(waves, MAX_STREAMS):
+                self.streams.append(torch.cuda.Stream(self.device))
+            if self.waves < waves:  # one more staging segment for the new waves
+                self.segments.append(SharedStaging((waves - self.waves) * self.wave_stride, self.cuda))
+                for slot in range(waves - self.waves):
+                    self._free.put(Wave(self, self.waves, len(self.segments) - 1, slot))
+                    self.waves += 1
 
     def acquire(self, *, block: bool = True) -> Wave | None:
         """A free wave (waits for one; ``block=False`` returns None instead). Restores that
         share the ring must not block while holding waves: each installs its own oldest wave
-        first (PackStore does), so two concurrent restores cannot wait on each other."""
+        first (the restore pipeline does), so two concurrent restores cannot wait on each
+        other."""
         try:
             wave = self._free.get(block=block)
         except queue.Empty:
@@ -226,10 +374,12 @@ class WaveRing:
         return wave
 
 
-def wave_ring(device: Any, *, wave_chunks: int, waves: int) -> WaveRing:
-    """The process-wide ring for ``device`` and this wave size, with at least ``waves`` waves."""
+def wave_ring(device: Any, *, wave_chunks: int, waves: int, wave_bytes: int | None = None) -> WaveRing:
+    """The process-wide ring for ``device`` and this wave size, with at least ``waves``
+    waves. ``wave_bytes`` defaults to ``wave_chunks`` largest chunk objects."""
     device = _torch().device(device)
-    ring = _pool_for("waves", device, wave_chunks, lambda: WaveRing(device, wave_chunks=wave_chunks, waves=waves))
+    nbytes = wave_bytes if wave_bytes is not None else wave_chunks * SLOT_BYTES
+    ring = _pool_for("waves", device, (nbytes, wave_chunks), lambda: WaveRing(device, wave_bytes=nbytes, wave_chunks=wave_chunks, waves=waves))
     ring.grow(waves)
     return ring
 
@@ -269,4 +419,16 @@ def unavailable_reason(device: Any) -> str | None:
     return gpu_digest.available(device)
 
 
-__all__ = ["PLAINTEXT_OFFSET", "SLOT_BYTES", "Wave", "WaveRing", "hash_jobs_on_host", "host_sha256_rate", "host_tail_chunks", "unavailable_reason", "wave_ring"]
+__all__ = [
+    "MAX_STREAMS",
+    "PLAINTEXT_OFFSET",
+    "SLOT_BYTES",
+    "Wave",
+    "WaveRing",
+    "hash_jobs_on_host",
+    "host_sha256_rate",
+    "host_tail_chunks",
+    "slot_bytes",
+    "unavailable_reason",
+    "wave_ring",
+]

@@ -23,15 +23,21 @@ from __future__ import annotations
 import os
 import time
 from collections import deque
+import itertools
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Union
 
 from ..format import constants as C
 from ..format.objects import ChunkRef, Manifest, Span, StateKey
+from ..errors import StoreError
 from .contract import DeviceVerification, PlaneStaging
 
 Buffer = Union[bytes, memoryview]
+#: Longest a restore waits for one batch of chunk reads and checks.
+READ_DEADLINE_S = 300.0
+_restore_ids = itertools.count(1)
 
 
 def default_workers() -> int:
@@ -69,6 +75,11 @@ class ChunkSource(Protocol):
         """Keyword arguments of ``decode_chunk`` for this job."""
         ...
 
+    def worker_reader(self) -> tuple[str, str, tuple] | None:
+        """A picklable recipe ``(module, factory, args)`` whose result's ``read_into`` reads
+        exactly like :meth:`read_into` in another process (reader processes), or None."""
+        ...
+
 
 @dataclass
 class RestoreTuning:
@@ -80,11 +91,16 @@ class RestoreTuning:
     #: where the long hashes run: "auto" (GPU when the kernel compiles), "host", "device"
     #: (forced; on a CPU install the same pipeline hashes with hashlib, as CI tests it)
     verify_on: str = field(default_factory=lambda: os.environ.get("KVPACK_VERIFY_ON", "auto"))
-    #: device verify: waves in flight (each on its own stream; at most 8, the number of
-    #: hardware queues CUDA maps streams onto), staging they share, objects per wave
-    device_waves: int = 8
+    #: device verify: waves in the ring (reads run ahead into free ones while older ones
+    #: hash; spread over at most 8 streams), the staging they share (pinned host memory and
+    #: as much device memory), and at most how many objects one wave holds (None: up to
+    #: ``MAX_WAVE_CHUNKS``, packed by size; a number: that many of the largest objects each)
+    device_waves: int = 16
     device_staging_bytes: int = field(default_factory=lambda: int(os.environ.get("KVPACK_DEVICE_STAGING_BYTES", str(4 << 30))))
     wave_chunks: int | None = None
+    #: device verify: read and check chunks in reader processes (kvpack.engine.chunk_readers):
+    #: "auto" (GPU restores from plain POSIX stores), "always" (tests), "never" (threads)
+    read_processes: str = field(default_factory=lambda: os.environ.get("KVPACK_READ_PROCESSES", "auto"))
     #: device verify: how many of the last chunks the host verifies while the device hashes
     #: the rest (None: as many as the workers verify in one kernel latency; 0: off)
     device_host_tail: int | None = 0
@@ -99,14 +115,29 @@ class PipelineResult:
     pipeline: str = "host"
 
 
+#: Most objects one wave holds when the tuning does not fix it (its job table and heads are
+#: pinned too: 2 rows of 32 bytes and a 512-byte head per object).
+MAX_WAVE_CHUNKS = 1024
+
+
+def wave_geometry(tuning: RestoreTuning) -> dict[str, int]:
+    """``wave_bytes`` and ``wave_chunks`` of the ring the tuning asks for: the staging split
+    over the waves, or (``wave_chunks`` set) room for that many of the largest objects."""
+    from .cuda import SLOT_BYTES
+
+    if tuning.wave_chunks:
+        return {"wave_bytes": tuning.wave_chunks * SLOT_BYTES, "wave_chunks": tuning.wave_chunks}
+    wave_bytes = max(SLOT_BYTES, tuning.device_staging_bytes // max(1, tuning.device_waves) // C.ALIGNMENT * C.ALIGNMENT)
+    return {"wave_bytes": wave_bytes, "wave_chunks": min(MAX_WAVE_CHUNKS, max(1, wave_bytes // (64 * 1024)))}
+
+
 def install_chunks(jobs: list[ChunkJob], source: ChunkSource, install: Any, layout: Any, tuning: RestoreTuning) -> PipelineResult:
     """Verify every job's chunk and write its rows into ``install`` (not committed).
 
     The pipeline follows the install's typed capabilities (kvpack.engine.contract):
     DeviceVerification, then PlaneStaging, else plain host verification."""
     if tuning.verify_on != "host" and isinstance(install, DeviceVerification) and jobs:
-        capacity = tuning.wave_chunks or max(1, tuning.device_staging_bytes // (tuning.device_waves * C.MAX_CHUNK_OBJECT_BYTES))
-        ring = install.wave_ring(wave_chunks=capacity, waves=tuning.device_waves, force=tuning.verify_on == "device")
+        ring = install.wave_ring(**wave_geometry(tuning), waves=tuning.device_waves, force=tuning.verify_on == "device")
         if ring is not None:
             return DeviceVerifiedPipeline(source, install, layout, tuning, ring).run(jobs)
     if isinstance(install, PlaneStaging) and tuning.plane_staging != "never":
@@ -114,6 +145,70 @@ def install_chunks(jobs: list[ChunkJob], source: ChunkSource, install: Any, layo
         if planes is not None:
             return PlanePipeline(source, install, layout, tuning, planes).run(jobs)
     return HostPipeline(source, install, layout, tuning).run(jobs)
+
+
+@dataclass(frozen=True)
+class CheckContext:
+    """What :func:`check_chunk` needs besides the chunk: the restore's tenant, keys and
+    family digest, the HMAC inner block of the content ids; for reader processes also the
+    families of the chain and the store's reader recipe (picklable)."""
+
+    tenant: bytes
+    keys: Any
+    epoch: int
+    family_digest: bytes
+    inner_pad: bytes
+    families: tuple = ()
+    reader: tuple | None = None
+
+    def verify_args(self, ref: ChunkRef, span: Span, key: StateKey, family: Any) -> dict[str, Any]:
+        return dict(ref=ref, span=span, tenant=self.tenant, family=family, key=key, keys=self.keys, family_digest=self.family_digest)
+
+
+def place_plaintext(region: memoryview, plaintext: Buffer) -> None:
+    """Put a plaintext verified on the host where a raw frame's plaintext sits in its slot
+    (``region``): a raw chunk checked in place is already there, no copy."""
+    import numpy as np
+
+    from .device_verify import PLAINTEXT_OFFSET
+
+    arr = np.frombuffer(plaintext, dtype=np.uint8)
+    dst = np.frombuffer(region, dtype=np.uint8)
+    if arr.size and arr.ctypes.data == dst.ctypes.data + PLAINTEXT_OFFSET:
+        return
+    if PLAINTEXT_OFFSET + arr.size > dst.size:
+        raise ValueError("plaintext larger than its slot")
+    dst[PLAINTEXT_OFFSET : PLAINTEXT_OFFSET + arr.size] = arr
+
+
+def check_chunk(
+    read_into: Any, ref: ChunkRef, span: Span, key: StateKey, verify_args: dict, region: memoryview, on_host: bool, ctx: CheckContext
+) -> tuple[Any, bytes, int]:
+    """Read one chunk object into its slot ``region`` and run every A.5 check the host runs
+    for the GPU verify path: ``(DeferredChunk, job head, object bytes)`` for a raw
+    unencrypted chunk whose two long hashes the device will compute (the checks before the
+    object digest raise here exactly as ``decode_chunk``'s), or ``(None, b"", n)`` for one
+    verified completely here (encrypted, lossless, odd, or ``on_host``: the restore's host
+    tail) whose plaintext now sits where a raw frame's would. Raises on refusal. Run by the
+    reading threads and by the reader processes alike."""
+    from ..format.chunk import decode_chunk, decode_chunk_deferred
+    from ..format.identity import chunk_content_prefix
+    from .gpu_digest import HEAD_BYTES
+
+    obj, n = read_into(ref, region)
+    if not on_host and n == ref.object_bytes and isinstance(obj, memoryview) and ref.key_epoch == ctx.epoch:
+        head = ctx.inner_pad + chunk_content_prefix(
+            ctx.tenant, ctx.family_digest, key.layer, key.name, span.token_start, span.token_count, span.plaintext_offset, span.plaintext_bytes
+        )
+        if len(head) <= HEAD_BYTES:
+            try:
+                deferred = decode_chunk_deferred(obj, **verify_args)
+            except ValueError:
+                deferred = None  # not raw and unencrypted: decoded below
+            if deferred is not None:
+                return deferred, head, n
+    place_plaintext(region, decode_chunk(obj, **verify_args))
+    return None, b"", n
 
 
 def _decode(source: ChunkSource, job: ChunkJob, obj: Buffer) -> Buffer:
@@ -247,11 +342,18 @@ class PlanePipeline:
 class DeviceVerifiedPipeline:
     """Restore with the two long hashes on the device (kvpack.engine.device_verify).
 
-    Workers read each object into its wave slot and run every other check of A.5 there
-    (``decode_chunk_deferred``); the wave's objects are uploaded whole and hashed on the
-    device; each chunk is installed from the hashed device copy only after
-    ``DeferredChunk.finish`` accepted its digests. A wave of ``wave_chunks`` objects is in
-    flight per ring entry; ``waves`` entries overlap reading, hashing and install."""
+    The jobs are cut into waves (consecutive jobs, packed by size into one ring entry; a
+    small restore still gets at least ``MIN_WAVES`` so its reads overlap its hashing).
+    Workers read batches of a wave's objects into their slots and run every other check of
+    A.5 there (``decode_chunk_deferred``), writing each object's two job rows; a wave whose
+    reads are all done is uploaded whole and hashed on the device (:meth:`pump`); each
+    chunk is installed from the hashed device copy only after ``DeferredChunk.finish``
+    accepted its digests, one transposing copy per run of a plane's evenly spaced chunks."""
+
+    #: waves a restore is spread over at least (each hashes while later ones are read)
+    MIN_WAVES = 8
+    #: objects one worker task reads and checks (fewer task submissions, same parallelism)
+    BATCH = 8
 
     def __init__(self, source: ChunkSource, install: Any, layout: Any, tuning: RestoreTuning, ring: Any) -> None:
         from ..format.identity import hmac_sha256_pads
@@ -259,6 +361,10 @@ class DeviceVerifiedPipeline:
         self.source, self.install, self.layout, self.tuning, self.ring = source, install, layout, tuning, ring
         self.waves = tuning.device_waves
         self.inner_pad, self.outer_pad = hmac_sha256_pads(source.keys.chunk_identity)
+        self.ctx = CheckContext(source.tenant, source.keys, source.epoch, source.family_digest, self.inner_pad)
+        self.readers: Any = None
+        self.ctx_id = next(_restore_ids)
+        self.family_index: dict[int, int] = {}
         self.verified = self.nbytes = 0
         self.hashed_on = {"device": 0, "host": 0}
         # where this thread's time goes (reported in RestoreReport.phases as device_*_s)
@@ -267,66 +373,85 @@ class DeviceVerifiedPipeline:
         self.launched: deque[tuple] = deque()  # hashes queued, in order
         self.held: list[Any] = []
 
-    def read(self, job: ChunkJob, wave: Any, i: int, on_host: bool) -> tuple[str, Any, Any]:
-        """-> ("deferred", DeferredChunk, head) or ("host", None, None); raises on refusal.
-        ``on_host``: verify completely here (the restore's tail, see ``device_host_tail``)."""
-        from ..format.chunk import decode_chunk_deferred, deferrable
-        from ..format.identity import chunk_content_prefix
-        from .device_verify import SLOT_BYTES
-        from .gpu_digest import HEAD_BYTES
+    def read_one(self, job: ChunkJob, wave: Any, i: int, on_host: bool) -> Any:
+        """The DeferredChunk of slot ``i`` (its job rows written), or None when it was
+        verified completely here; raises on refusal (:func:`check_chunk`)."""
+        deferred, head, n = check_chunk(self.source.read_into, job.ref, job.span, job.key, self.source.verify_args(job), wave.slot_view(i), on_host, self.ctx)
+        if deferred is None:
+            wave.set_jobs(i, 0, 0, b"")
+        else:
+            wave.set_jobs(i, n, job.span.plaintext_bytes, head)
+        return deferred
 
-        obj, n = self.source.read_into(job.ref, wave.slot_view(i))
-        verify_args = self.source.verify_args(job)
-        if not on_host and n < SLOT_BYTES and job.ref.key_epoch == self.source.epoch and deferrable(obj):
-            s = job.span
-            head = self.inner_pad + chunk_content_prefix(
-                self.source.tenant, self.source.family_digest, job.key.layer, job.key.name, s.token_start, s.token_count, s.plaintext_offset, s.plaintext_bytes
-            )
-            if len(head) <= HEAD_BYTES:
-                return "deferred", decode_chunk_deferred(obj, **verify_args), head
-        from ..format.chunk import decode_chunk
+    def read_batch(self, wave: Any, jobs: list[ChunkJob], first: int, stop: int, first_host: int, offset: int) -> list[Any]:
+        return [self.read_one(jobs[i], wave, i, offset + i >= first_host) for i in range(first, stop)]
 
-        plaintext = decode_chunk(obj, **verify_args)  # encrypted, lossless, odd, or the tail
-        wave.place_plaintext(i, plaintext)  # a raw plaintext is already in place: no copy
-        return "host", None, None
+    def submit_reads(self, pool: Any, wave: Any, group: list[ChunkJob], start: int, first_host: int) -> list[Future]:
+        """Futures of the wave's reads and host checks, in batches: on the reader processes
+        when there are any, else on the threads."""
+        batch = max(1, min(self.BATCH, len(group) // self.tuning.workers))
+        if self.readers is None:
+            return [pool.submit(self.read_batch, wave, group, lo, min(lo + batch, len(group)), first_host, start) for lo in range(0, len(group), batch)]
+        geometry = wave.geometry()
+        futs = []
+        for lo in range(0, len(group), batch):
+            items = []
+            for i in range(lo, min(lo + batch, len(group))):
+                job = group[i]
+                r, sp = job.ref, job.span
+                # plain values, not the dataclasses: pickling them is most of this loop's cost
+                items.append(
+                    (i, wave.starts[i], wave.sizes[i])
+                    + (r.content_id, r.object_key, r.object_digest, r.key_epoch, r.plaintext_bytes, r.object_bytes)
+                    + (sp.token_start, sp.token_count, sp.plaintext_offset, sp.plaintext_bytes, job.key.layer, job.key.name)
+                    + (self.family_index[id(job.manifest)], start + i >= first_host)
+                )
+            futs.append(self.readers.submit(self.ctx_id, self.ctx, geometry, items))
+        return futs
 
     def launch_wave(self, entry: tuple) -> None:
-        wave, wave_jobs, futs = entry
+        wave, _jobs, futs = entry
         t0 = time.perf_counter()
-        results = [f.result() for f in futs]
+        for f in futs:
+            try:
+                f.result(timeout=READ_DEADLINE_S)  # raises the first refusal
+            except FutureTimeout:
+                raise StoreError("io", f"chunk reads did not finish within {READ_DEADLINE_S:.0f} s") from None
         t1 = time.perf_counter()
         self.spent["device_wait_reads_s"] += t1 - t0
-        deferred = [(i, r) for i, r in enumerate(results) if r[0] == "deferred"]
-        wave.launch(
-            len(wave_jobs),
-            [(i, wave_jobs[i].ref.object_bytes) for i, _ in deferred],
-            [(i, wave_jobs[i].span.plaintext_bytes, r[2]) for i, r in deferred],
-        )
+        wave.launch()
         self.launched.append(entry)
         self.spent["device_launch_s"] += time.perf_counter() - t1
 
-    def check_wave(self, wave: Any, results: list) -> None:
-        """Finish the deferred checks of a hashed wave with the device's digests."""
-        from ..format.chunk import ExternalDigests
+    def check_wave(self, wave: Any, jobs: list[ChunkJob], results: list) -> None:
+        """Finish the deferred checks of a hashed wave with the device's digests (a reader
+        process sent (content id, held refusal) for a DeferredChunk)."""
+        from ..format.chunk import DeferredChunk, ExternalDigests
         from ..format.identity import hmac_sha256_finish
+        from .device_verify import PLAINTEXT_OFFSET
 
-        deferred = [i for i, r in enumerate(results) if r[0] == "deferred"]
-        self.hashed_on["device"] += len(deferred)
-        self.hashed_on["host"] += len(results) - len(deferred)
         t0 = time.perf_counter()
         digests = wave.digests()
-        m = len(deferred)
-        for k, i in enumerate(deferred):
-            results[i][1].finish(ExternalDigests(digests[k], hmac_sha256_finish(self.outer_pad, digests[m + k])))
+        for i, deferred in enumerate(results):
+            if isinstance(deferred, tuple):
+                content_id, held = deferred
+                plaintext = wave.slot_view(i)[PLAINTEXT_OFFSET : PLAINTEXT_OFFSET + jobs[i].span.plaintext_bytes]
+                deferred = DeferredChunk(jobs[i].ref.object_digest, content_id, plaintext, held)
+            if deferred is None:
+                self.hashed_on["host"] += 1
+                continue
+            self.hashed_on["device"] += 1
+            at = 64 * i
+            deferred.finish(ExternalDigests(digests[at : at + 32], hmac_sha256_finish(self.outer_pad, digests[at + 32 : at + 64])))
         self.spent["device_check_s"] += time.perf_counter() - t0
 
     def install_wave(self, entry: tuple) -> None:
         wave, wave_jobs, futs = entry
-        self.check_wave(wave, [f.result() for f in futs])
+        self.check_wave(wave, wave_jobs, [r for f in futs for r in f.result(timeout=READ_DEADLINE_S)])
         t1 = time.perf_counter()
         wave.order_installs()
         i = 0
-        while i < len(wave_jobs):  # one copy per run of consecutive rows of one plane
+        while i < len(wave_jobs):  # one copy per run of a plane's evenly spaced chunks
             job = wave_jobs[i]
             row = self.layout.layer(job.key.layer).row_bytes
             lo_byte, size = (job.a - job.span.token_start) * row, (job.b - job.a) * row
@@ -335,6 +460,8 @@ class DeviceVerifiedPipeline:
                 nxt = wave_jobs[j]
                 same_plane = (nxt.key.layer, nxt.key.name) == (job.key.layer, job.key.name)
                 if not same_plane or nxt.a != end or (nxt.a - nxt.span.token_start) * row != lo_byte or (nxt.b - nxt.a) * row != size:
+                    break
+                if wave.sizes[j] != wave.sizes[i]:  # one strided view covers the run
                     break
                 end, j = nxt.b, j + 1
             if j - i == 1:
@@ -379,37 +506,78 @@ class DeviceVerifiedPipeline:
         self.held.append(wave)
         return wave
 
+    def reader_processes(self, jobs: list[ChunkJob]) -> Any:
+        """The ring's reader processes when this restore may use them (see
+        ``RestoreTuning.read_processes``), with the context they check under; else None."""
+        mode = self.tuning.read_processes
+        recipe = getattr(self.source, "worker_reader", lambda: None)()
+        if mode == "never" or recipe is None or (mode == "auto" and not self.ring.cuda):
+            return None
+        families: list[Any] = []
+        for job in jobs:
+            if id(job.manifest) not in self.family_index:
+                self.family_index[id(job.manifest)] = len(families)
+                families.append(job.manifest.family)
+        self.ctx = CheckContext(self.ctx.tenant, self.ctx.keys, self.ctx.epoch, self.ctx.family_digest, self.inner_pad, tuple(families), recipe)
+        return self.ring.readers(self.tuning.workers)
+
+    def plan_waves(self, sizes: list[int]) -> list[tuple[int, int]]:
+        """Consecutive ``[start, stop)`` job ranges, each fitting one wave (``sizes`` are
+        slot bytes, none larger than a wave), at least ``MIN_WAVES`` of them when there are
+        that many jobs."""
+        target_bytes = min(self.ring.wave_bytes, max(max(sizes), -(-sum(sizes) // self.MIN_WAVES)))
+        target_count = min(self.ring.wave_chunks, max(1, -(-len(sizes) // self.MIN_WAVES)))
+        ranges, start, used = [], 0, 0
+        for i, size in enumerate(sizes):
+            if i > start and (used + size > target_bytes or i - start >= target_count):
+                ranges.append((start, i))
+                start, used = i, 0
+            used += size
+        ranges.append((start, len(sizes)))
+        return ranges
+
     def run(self, jobs: list[ChunkJob]) -> PipelineResult:
-        from .device_verify import host_tail_chunks
+        from .device_verify import host_tail_chunks, slot_bytes
 
         tail = self.tuning.device_host_tail
         if tail is None:
             tail = host_tail_chunks(self.ring, self.tuning.workers, max(job.ref.object_bytes for job in jobs))
         first_host = len(jobs) - min(tail, len(jobs))
-        # spread the chunks over all the waves in flight (a small restore still overlaps its
-        # reads with its hashing), never more than a wave holds
-        per_wave = min(self.ring.wave_chunks, -(-len(jobs) // self.waves))
-        starts = list(range(0, len(jobs), per_wave))
+        # an object larger than a wave can hold gets a minimal slot: its read comes back
+        # whole as bytes and its checks refuse it
+        sizes = [slot_bytes(job.ref.object_bytes, job.span.plaintext_bytes) for job in jobs]
+        sizes = [s if s <= self.ring.wave_bytes else slot_bytes(0, 0) for s in sizes]
+        ranges = self.plan_waves(sizes)
+        self.readers = self.reader_processes(jobs)
         try:
-            with ThreadPoolExecutor(self.tuning.workers) as pool:
+            with ThreadPoolExecutor(self.tuning.workers if self.readers is None else 1) as pool:
                 try:
-                    for start in starts:
-                        group = jobs[start : start + per_wave]
+                    for start, stop in ranges:
+                        group = jobs[start:stop]
                         self.pump()
                         wave = self.take_wave()
-                        futs = [pool.submit(self.read, job, wave, i, start + i >= first_host) for i, job in enumerate(group)]
-                        self.reading.append((wave, group, futs))
+                        wave.plan(sizes[start:stop])
+                        self.reading.append((wave, group, self.submit_reads(pool, wave, group, start, first_host)))
                     while self.reading or self.launched:
                         self.install_oldest()
                 except BaseException:
                     for _wave, _jobs, futs in self.reading:
                         for fut in futs:
-                            fut.cancel()
+                            if self.readers is None:
+                                fut.cancel()
+                    if self.readers is not None:  # a reader process may still write into the waves
+                        for _wave, _jobs, futs in list(self.reading) + list(self.launched):
+                            for fut in futs:
+                                if not fut.done():
+                                    try:
+                                        fut.exception(timeout=READ_DEADLINE_S)
+                                    except Exception:  # noqa: BLE001 - only waiting for it to end
+                                        pass
                     raise
         finally:
             # the pool has shut down: no worker writes into these buffers any more
             for wave in self.held:
                 wave.release()
         phases: dict[str, float] = {k: round(v, 4) for k, v in self.spent.items()}
-        phases.update(device_waves=len(starts), device_ring=self.waves)
+        phases.update(device_waves=len(ranges), device_ring=self.waves, device_read_processes=len(self.readers.workers) if self.readers else 0)
         return PipelineResult(self.verified, self.nbytes, self.hashed_on, phases, pipeline="device")

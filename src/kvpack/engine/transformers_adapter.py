@@ -544,7 +544,7 @@ class DetachedInstall(InstallContext):
 
         return plane_stager(device)
 
-    def wave_ring(self, *, wave_chunks: int, waves: int, force: bool = False):
+    def wave_ring(self, *, wave_chunks: int, waves: int, force: bool = False, wave_bytes: int | None = None):
         """Staging for a restore verified on the device (kvpack.engine.device_verify): on a
         CUDA device whose GPU SHA-256 kernel compiles, or anywhere with ``force`` (on the
         CPU the same pipeline then hashes with hashlib); otherwise ``None``."""
@@ -556,7 +556,7 @@ class DetachedInstall(InstallContext):
                 return None
         elif not force:
             return None
-        return wave_ring(device, wave_chunks=wave_chunks, waves=waves)
+        return wave_ring(device, wave_chunks=wave_chunks, waves=waves, wave_bytes=wave_bytes)
 
     def write_rows(self, layer: int, role: str, start: int, data) -> None:
         """Copy token-major wire rows starting at absolute row ``start`` into the detached cache.

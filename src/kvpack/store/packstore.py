@@ -150,6 +150,36 @@ class _EnvChunks:
     def verify_args(self, job: ChunkJob) -> dict[str, Any]:
         return dict(ref=job.ref, span=job.span, tenant=self.tenant, family=job.manifest.family, key=job.key, keys=self.keys, family_digest=self.family_digest)
 
+    def worker_reader(self) -> tuple[str, str, tuple] | None:
+        """The recipe of :func:`posix_chunk_reader` for a plain POSIX store (reader
+        processes read the same files); None for other backends and for a fault-injecting
+        file layer, whose reads must stay in this process."""
+        from .posix import PosixEnv
+
+        if isinstance(self.env, PosixEnv) and type(self.env.ops) is FileOps:
+            return ("kvpack.store.packstore", "posix_chunk_reader", (self.env.root,))
+        return None
+
+
+class _PosixChunkReader:
+    """``_EnvChunks.read_into`` of a POSIX store, rebuilt in a reader process."""
+
+    def __init__(self, root: str) -> None:
+        from .posix import PosixEnv
+
+        self.env = PosixEnv(root)
+
+    def read_into(self, ref: ChunkRef, region: memoryview) -> tuple[Buffer, int]:
+        try:
+            return self.env.read_into(chunk_name(ref.content_id), region)
+        except ObjectMissing:
+            raise StoreError("incomplete", f"chunk {ref.content_id.hex()} is missing") from None
+
+
+def posix_chunk_reader(root: str) -> _PosixChunkReader:
+    """Factory named by ``_EnvChunks.worker_reader`` (kvpack.engine.chunk_readers)."""
+    return _PosixChunkReader(root)
+
 
 def _tuning_attribute(name: str) -> property:
     """A PackStore attribute that reads and sets a :class:`RestoreTuning` field."""
@@ -167,6 +197,7 @@ class PackStore:
     device_staging_bytes = _tuning_attribute("device_staging_bytes")
     wave_chunks = _tuning_attribute("wave_chunks")
     device_host_tail = _tuning_attribute("device_host_tail")
+    read_processes = _tuning_attribute("read_processes")
 
     def __init__(self, env: StorageEnv, config: dict, root: bytes) -> None:
         self.env = env
