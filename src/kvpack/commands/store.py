@@ -48,7 +48,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--tenant", default="default", help="tenant name (scopes every key and id)")
     q.add_argument("--encrypt", action="store_true", help="encrypt chunks and manifests at rest (ChaCha20-Poly1305)")
     q.add_argument("--root-key-file", help="keep the 32-byte root here (created 0600 if missing) instead of STORE/root.key")
-    q.add_argument("--chunk-bytes", type=int_range(1, 4 * 1024 * 1024, what="a chunk size"), default=4 * 1024 * 1024, help="chunk plaintext size in bytes")
+    q.add_argument("--chunk-bytes", type=int_range(1, 4 * 1024 * 1024, what="a chunk size"), default=2 * 1024 * 1024, help="chunk plaintext size in bytes")
     _location_args(q, key=False)
     q.set_defaults(func=cmd_init)
 

@@ -48,7 +48,12 @@ from .mapping import LOGITS_NAME, family_for, logits_family, semantic_id, tenant
 
 STORE_FORMAT = "kvpack-store"
 STORE_VERSION = 1
-DEFAULT_CHUNK_BYTES = C.MAX_CHUNK_PLAINTEXT
+#: Chunk plaintext size of a new store. 2 MiB, not the format's 4 MiB cap: a restore that
+#: verifies on the GPU hashes one chunk object per GPU thread, so the chunk size is its
+#: per-wave latency (about 30 ms per MiB on an H200) and sets the staging it needs in
+#: flight, while every chunk also costs fixed host work (measured on the H200: 2 MiB restores
+#: 8k tokens as fast as 1 MiB and 32k faster; docs/benchmarks.md, issue 20).
+DEFAULT_CHUNK_BYTES = 2 << 20
 #: plaintext bytes of a prefix cut's logits object: the manifest id alone, no row
 PREFIX_MARKER_BYTES = 32
 
