@@ -89,6 +89,10 @@ class TransformersEngine:
     ``threads``: if given, ``torch.set_num_threads(threads)`` (process-wide) before anything
     runs; the count in effect is recorded in the engine ABI either way.
     ``device``: ``"cpu"`` (default) or ``"cuda"``; CUDA is refused cleanly when absent.
+    ``prefill_attention``: ``"lower_right"`` runs prefill chunks with preallocated cache rows
+    and lower-right causal attention (kvpack.engine.fast_prefill: the flash kernel on CUDA,
+    no cache concatenation); ``"sdpa"`` keeps transformers' own path; ``"auto"`` (default)
+    is ``lower_right`` on CUDA for models it supports. Recorded in the engine ABI.
     """
 
     def __init__(
@@ -100,6 +104,7 @@ class TransformersEngine:
         device: str = "cpu",
         max_context: int | None = None,
         adapter: dict[str, Any] | None = None,
+        prefill_attention: str = "auto",
     ) -> None:
         torch = _torch()
         if sys.byteorder != "little":
@@ -122,6 +127,7 @@ class TransformersEngine:
         self.model.eval()
         self.config = self.model.config
         self.prefill_chunk_tokens = prefill_chunk_tokens
+        self.prefill_attention = self._choose_prefill_attention(prefill_attention)
         self.threads = torch.get_num_threads()
         self.max_context = int(max_context or getattr(self.config, "max_position_embeddings", 0) or 0)
         if self.max_context <= 0:
@@ -130,7 +136,33 @@ class TransformersEngine:
         self.identity = self._derive_identity(adapter or {"name": "none"})
         self._ids = self.identity.ids()
 
+    def _choose_prefill_attention(self, wanted: str) -> str:
+        from . import fast_prefill
+
+        if wanted not in ("auto", "lower_right", "sdpa"):
+            raise EngineError("unsupported", f"prefill_attention {wanted!r}: auto, lower_right or sdpa")
+        reason = fast_prefill.unsupported_reason(self.model)
+        if wanted == "auto":
+            wanted = "lower_right" if self.device.type == "cuda" and reason is None else "sdpa"
+        if wanted == "lower_right":
+            if reason is not None:
+                raise EngineError("unsupported", f"prefill_attention lower_right: {reason}")
+            fast_prefill.register()
+            self.config._attn_implementation = fast_prefill.ATTENTION
+        return wanted
+
     # -- layout ---------------------------------------------------------------------------
+
+    def session_cache(self):
+        """The cache a session computes into: ``new_cache()``, with preallocated layers
+        when ``prefill_attention`` is ``lower_right`` (kvpack.engine.fast_prefill)."""
+        cache = self.new_cache()
+        if self.prefill_attention == "lower_right":
+            from .fast_prefill import preallocated_layer_class
+
+            layer = preallocated_layer_class()
+            cache.layers = [layer() for _ in range(self.layout.num_layers)]
+        return cache
 
     def new_cache(self):
         """An empty ``DynamicCache`` with the model's per-layer classes."""
@@ -229,6 +261,8 @@ class TransformersEngine:
             "byte_order": sys.byteorder,
             "forward": "logits_to_keep=1; greedy argmax over float32 logits",
         }
+        if self.prefill_attention == "lower_right":  # absent otherwise: identities made before it stay valid
+            abi["prefill"] = "kvpack lower-right causal attention over preallocated cache rows"
         if self.device.type == "cuda":
             abi["cuda"] = str(torch.version.cuda)
             abi["device_name"] = torch.cuda.get_device_name(self.device)
@@ -296,7 +330,7 @@ class EngineSession:
         self.engine = engine
         self.layout = engine.layout
         self.tokens: list[int] = []
-        self.cache = engine.new_cache()
+        self.cache = engine.session_cache()
         self.last_logits = None
 
     @property
@@ -344,6 +378,9 @@ class EngineSession:
         if chunk_size is not None and chunk_size != chunk:
             raise EngineError("identity", f"chunk_size {chunk_size} differs from the engine's prefill_chunk_tokens {chunk}")
         ids = self._check_tokens(token_ids)
+        for layer in self.cache.layers:  # preallocated rows: room for the whole prompt at once
+            if hasattr(layer, "reserve"):
+                layer.reserve(self.position + len(ids))
         i = 0
         while i < len(ids):
             pos = self.position
@@ -669,7 +706,7 @@ class DetachedInstall(InstallContext):
             raise EngineError("install", f"{len(gaps)} states incomplete (layer {layer} {role}: {left} rows missing)")
         if require_logits and self._logits is None:
             raise EngineError("install", "no final-logits row: a cut without it cannot resume generation")
-        cache = self.session.engine.new_cache()
+        cache = self.session.engine.session_cache()
         if len(cache.layers) != self.layout.num_layers:
             # A config without per-layer types gives a lazily grown cache; make the layers now.
             from transformers.cache_utils import DynamicLayer
@@ -681,8 +718,11 @@ class DetachedInstall(InstallContext):
             sliding = isinstance(layer_obj, DynamicSlidingWindowLayer)
             if sliding != (spec.kind == LAYER_WINDOWED):
                 raise EngineError("layout", f"layer {spec.index}: cache class disagrees with the layout")
-            layer_obj.lazy_initialization(k, v)
-            layer_obj.keys, layer_obj.values = k, v
+            if hasattr(layer_obj, "adopt"):  # preallocated rows (kvpack.engine.fast_prefill)
+                layer_obj.adopt(k, v)
+            else:
+                layer_obj.lazy_initialization(k, v)
+                layer_obj.keys, layer_obj.values = k, v
             if sliding:
                 # Absolute position, not row count: it drives the sliding-window mask offset.
                 layer_obj.cumulative_length = self.cut
