@@ -206,72 +206,38 @@ def hash_ceiling(store, workers: int, repeat: int) -> tuple[float, int, int]:
     return statistics.median(times), obj_bytes, pt_bytes
 
 
-def device_stage_times(store, device, workers: int, repeat: int) -> dict:
-    """The device-verify path's stages, each alone over the same chunk files: parallel read
-    of every object into one pinned buffer (``workers`` threads, page cache warm), and the
-    GPU SHA-256 of every object plus every plaintext (with its content-ID head) in one
-    launch, the objects already on the device. Medians of ``repeat``."""
-    import torch
+def store_floors(args, store, line: dict, workers: int, h2d_gbps: float, cold: bool) -> None:
+    """The floors of this cut, measured over its own files in this run (bench_limits):
+    page cache -> pinned reads on ``workers`` threads (and cold reads of the same files),
+    the GPU SHA-256 of as many messages of the cut's object size as a restore hashes, the
+    pinned H2D copy of the KV bytes, and the store's durable write pattern for objects of
+    this size without hashing. Adds ``floor_*`` fields and the ratios to them."""
+    import bench_limits
 
-    from kvpack.engine import gpu_digest
-    from kvpack.engine.device_verify import PLAINTEXT_OFFSET, SLOT_BYTES
-    from kvpack.format.chunk import ChunkHeader
+    from kvpack.store.publish import save_threads
 
     d = os.path.join(store.path, "chunks")
-    names = sorted(os.listdir(d))
-    host = torch.empty(len(names) * SLOT_BYTES, dtype=torch.uint8, pin_memory=True)
-    view = memoryview(host.numpy())
-    sizes = [0] * len(names)
-
-    def read(i):
-        with open(os.path.join(d, names[i]), "rb", buffering=0) as fh:
-            region = view[i * SLOT_BYTES : (i + 1) * SLOT_BYTES]
-            n = 0
-            while got := fh.readinto(region[n:]):
-                n += got
-            sizes[i] = n
-
-    read_times = []
-    with ThreadPoolExecutor(workers) as pool:
-        for _ in range(repeat):
-            t0 = time.perf_counter()
-            list(pool.map(read, range(len(names))))
-            read_times.append(time.perf_counter() - t0)
-    dev = host.to(device)
-    jobs = []
-    head = bytes(64 + 140)  # the HMAC inner block + a content prefix of a typical length
-    for i, n in enumerate(sizes):
-        jobs.append((dev[i * SLOT_BYTES : i * SLOT_BYTES + n], b""))
-    for i in range(len(sizes)):
-        pt = ChunkHeader.parse(view[i * SLOT_BYTES : i * SLOT_BYTES + 4096]).plaintext_bytes
-        jobs.append((dev[i * SLOT_BYTES + PLAINTEXT_OFFSET : i * SLOT_BYTES + PLAINTEXT_OFFSET + pt], head))
-    table, heads = gpu_digest.job_table(jobs, device)  # launched and timed alone below
-    out = torch.empty((len(jobs), 8), dtype=torch.int32, device=device)
-    gpu_digest.launch(table, out, len(jobs))  # warm-up (compiles on first use)
-    torch.cuda.synchronize()
-    hash_times = []
-    for _ in range(max(repeat, 3)):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        gpu_digest.launch(table, out, len(jobs))
-        end.record()
-        end.synchronize()
-        hash_times.append(start.elapsed_time(end) / 1e3)
-    hashed = sum(b.numel() + len(h) for b, h in jobs)
-    # spot check against hashlib: the kernel hashes what the CPU hashes
-    words = out.cpu().numpy().view("uint32")
-    for j in (0, len(sizes), len(jobs) - 1):
-        body, h = jobs[j]
-        assert gpu_digest.digest_bytes(words[j]) == hashlib.sha256(h + body.cpu().numpy().tobytes()).digest()
-    del dev, host, table, out, heads
-    torch.cuda.empty_cache()
-    return {
-        "stage_read_pinned_s": round(statistics.median(read_times), 4),
-        "stage_read_pinned_gbps": round(sum(sizes) / statistics.median(read_times) / 1e9, 2),
-        "stage_gpu_hash_s": round(statistics.median(hash_times), 4),
-        "stage_gpu_hash_gbps": round(hashed / statistics.median(hash_times) / 1e9, 2),
-        "stage_gpu_hash_jobs": len(jobs),
-    }
+    paths = [os.path.join(d, n) for n in sorted(os.listdir(d)) if not n.startswith(".")]
+    sizes = sorted(os.path.getsize(p) for p in paths)
+    typical = sizes[len(sizes) // 2]
+    reads = bench_limits.read_floors(paths, workers, args.repeat, cold=cold)
+    line.update({f"floor_{k}": v for k, v in reads.items()})
+    h2d_s = line["kv_bytes"] / (h2d_gbps * 1e9)
+    line["floor_h2d_s"] = round(h2d_s, 4)
+    hashed = bench_limits.gpu_sha256(typical, 2 * len(paths))
+    if hashed and "launch_s" in hashed:
+        line["floor_gpu_hash_s"] = hashed["launch_s"]
+        line["floor_gpu_hash_gbps"] = hashed["gbps"]
+        line["floor_gpu_hash_message_bytes"] = typical
+    parts = [reads["read_warm_s"], h2d_s, line.get("floor_gpu_hash_s", 0.0)]
+    line["floor_s"] = round(max(parts), 4)
+    line["restore_over_floor"] = round(line["restore_warm_s"] / line["floor_s"], 3)
+    line["restore_over_serial_stages"] = round(line["restore_warm_s"] / sum(parts), 3)
+    count = max(1, min(len(paths), (4 << 30) // typical))
+    raw = bench_limits.durable_write_rate(os.path.join(args.store_dir, "rawwrite"), typical, count, save_threads(store))
+    line.update({f"floor_{k}": v for k, v in raw.items()})
+    line["store_object_write_gbps"] = round(line["store_bytes"] / line["save_s"] / 1e9, 3)
+    line["save_over_raw_write"] = round(line["store_object_write_gbps"] / raw["write_gbps"], 3)
 
 
 def bench_length(args, torch, engine, n: int, workers: int, h2d_gbps: float, d2h_gbps: float, keep_payload: bool):
@@ -312,7 +278,7 @@ def bench_length(args, torch, engine, n: int, workers: int, h2d_gbps: float, d2h
 
     root = os.path.join(args.store_dir, f"n{n}")
     shutil.rmtree(root, ignore_errors=True)
-    store = PackStore.init(root)
+    store = PackStore.init(root, **({"chunk_bytes": args.chunk_bytes} if args.chunk_bytes else {}))
     store.workers = workers
     save = store.save(s)
     line["kv_bytes"] = save.plaintext_bytes
@@ -320,6 +286,7 @@ def bench_length(args, torch, engine, n: int, workers: int, h2d_gbps: float, d2h
     line["chunks"] = save.chunks_written
     line["save_s"] = round(save.seconds, 4)
     line["store_write_gbps"] = round(save.plaintext_bytes / save.seconds / 1e9, 3)
+    line["chunk_bytes"] = store.chunk_bytes
 
     payload = None
     if keep_payload:  # the real KV bytes, for the handoff benchmark
@@ -356,50 +323,43 @@ def bench_length(args, torch, engine, n: int, workers: int, h2d_gbps: float, d2h
         return elapsed, rep
 
     # the default path (on CUDA: hashes on the device), then the host-verify path for comparison
-    modes = ["auto", "host"] if device.type == "cuda" else ["host"]
+    modes = ["auto", "host"] if device.type == "cuda" and n <= args.host_verify_max_tokens else ["auto"]
     results = {}
     for mode in modes:
         store.verify_on = mode
         warm = [restore_once(check=(i == 0)) for i in range(args.repeat)]
         results[mode] = warm
     store.verify_on = "auto"
-    warm = results[modes[0]]
+    warm = results["auto"]
     line["restore_warm_s"] = round(statistics.median(t for t, _ in warm), 4)
+    line["restore_warm_all_s"] = [round(t, 4) for t, _ in warm]
     line["restore_hashed_on"] = warm[0][1].hashed_on
     chunk_phase = statistics.median(rep.phases["chunks_s"] for _, rep in warm)
     typical = sorted(warm, key=lambda item: item[0])[len(warm) // 2][1]  # the median run's phases
     line["restore_phases_s"] = {k: round(v, 4) for k, v in typical.phases.items()}
     line["bytes_verified"] = warm[0][1].bytes_verified
     line["verified_restore_gbps"] = round(save.plaintext_bytes / line["restore_warm_s"] / 1e9, 3)
-    if "host" in results and modes[0] != "host":
-        host = results["host"]
-        line["restore_warm_host_verify_s"] = round(statistics.median(t for t, _ in host), 4)
-        host_chunk_phase = statistics.median(rep.phases["chunks_s"] for _, rep in host)
-    else:
-        host_chunk_phase = chunk_phase
+    if "host" in results:
+        line["restore_warm_host_verify_s"] = round(statistics.median(t for t, _ in results["host"]), 4)
     line["bit_identical"] = True
-    if not args.skip_cold:
+    cold = not args.skip_cold and n <= args.cold_max_tokens
+    if device.type == "cuda":  # warm and cold reads of these files: before the cold restore
+        store_floors(args, store, line, workers, h2d_gbps, cold)
+    if cold:
         line["cold_method"] = drop_page_cache(root)
         t_cold, _ = restore_once(check=False)
         line["restore_cold_s"] = round(t_cold, 4)
-
-    hash_s, obj_bytes, pt_bytes = hash_ceiling(store, workers, args.repeat)
-    h2d_s = pt_bytes / (h2d_gbps * 1e9)
-    ceiling = hash_s + h2d_s
-    line["ceiling_hash_s"] = round(hash_s, 4)
-    line["ceiling_hash_gbps"] = round(pt_bytes / hash_s / 1e9, 3)
-    line["ceiling_h2d_s"] = round(h2d_s, 4)
-    line["ceiling_s"] = round(ceiling, 4)
-    line["restore_over_ceiling"] = round(line["restore_warm_s"] / ceiling, 3)
-    line["verified_restore_over_hash_ceiling"] = round(hash_s / chunk_phase, 3)
-    if "restore_warm_host_verify_s" in line:
-        line["host_verify_restore_over_ceiling"] = round(line["restore_warm_host_verify_s"] / ceiling, 3)
-        line["host_verify_over_hash_ceiling"] = round(hash_s / host_chunk_phase, 3)
-    if device.type == "cuda":
-        line.update(device_stage_times(store, device, workers, args.repeat))
-        serial = line["stage_read_pinned_s"] + h2d_s + line["stage_gpu_hash_s"]
-        line["stages_serial_s"] = round(serial, 4)
-        line["restore_over_stages_serial"] = round(line["restore_warm_s"] / serial, 3)
+        if "floor_read_cold_s" in line:
+            line["cold_restore_over_cold_read"] = round(line["floor_read_cold_s"] / line["restore_cold_s"], 3)
+    if args.cpu_ceiling:  # the first rounds' goal: both hashes on the CPU cores, plus the H2D copy
+        hash_s, _obj_bytes, pt_bytes = hash_ceiling(store, workers, args.repeat)
+        ceiling = hash_s + pt_bytes / (h2d_gbps * 1e9)
+        line["ceiling_hash_s"] = round(hash_s, 4)
+        line["ceiling_s"] = round(ceiling, 4)
+        line["restore_over_ceiling"] = round(line["restore_warm_s"] / ceiling, 3)
+        line["verified_restore_over_hash_ceiling"] = round(hash_s / chunk_phase, 3)
+    if line.get("recompute_oneshot_s"):
+        line["prefill_over_oneshot"] = round(line["recompute_engine_s"] / line["recompute_oneshot_s"], 3)
     rec = min(v for v in (line["recompute_engine_s"], line.get("recompute_oneshot_s")) if v)
     line["speedup_vs_best_recompute_warm"] = round(rec / line["restore_warm_s"], 2)
     if "restore_cold_s" in line:
@@ -561,6 +521,11 @@ def main(argv=None) -> int:
     ap.add_argument("--store-dir", default=None, help="where the stores go (default: a temp dir)")
     ap.add_argument("--skip-cold", action="store_true")
     ap.add_argument("--skip-oneshot", action="store_true")
+    ap.add_argument("--cold-max-tokens", type=int, default=1 << 30, help="cold restore and cold reads only up to this length")
+    ap.add_argument("--host-verify-max-tokens", type=int, default=8192, help="also time the host-verify restore up to this length")
+    ap.add_argument("--cpu-ceiling", action="store_true", help="also time both hashes on the CPU cores (the first rounds' ceiling)")
+    ap.add_argument("--chunk-bytes", type=int, default=None, help="store chunk size (default: the store's default)")
+    ap.add_argument("--prefill-attention", default="auto", choices=["auto", "lower_right", "sdpa"])
     ap.add_argument("--handoff-tokens", type=int, default=32768, help="prompt whose KV bytes the handoff moves (0: skip)")
     ap.add_argument("--segment-tokens", type=int, default=2048, help="handoff segment size in tokens")
     ap.add_argument("--stripes", default="1,2,4,8")
@@ -585,7 +550,9 @@ def main(argv=None) -> int:
     device = torch.device(args.device)
     t0 = time.perf_counter()
     loaded = build_model(args, torch)
-    engine = TransformersEngine(loaded, device=args.device, prefill_chunk_tokens=256, max_context=max(args.tokens) + 256)
+    engine = TransformersEngine(
+        loaded, device=args.device, prefill_chunk_tokens=256, max_context=max(args.tokens) + 256, prefill_attention=args.prefill_attention
+    )
     build_s = time.perf_counter() - t0
     h2d, d2h = copy_rates(torch, device, 1 << 30)
     env = {
@@ -598,6 +565,7 @@ def main(argv=None) -> int:
         "model": loaded.name,
         "dtype": args.dtype,
         "attn": str(engine.config._attn_implementation),
+        "prefill_attention": engine.prefill_attention,
         "build_s": round(build_s, 2),
         "h2d_gbps_pinned": round(h2d, 2),
         "d2h_gbps_pinned": round(d2h, 2),

@@ -1,12 +1,22 @@
-"""Profile helper: build an 8B-shaped f16 Llama on CUDA, prefill N tokens, save the cut, then
-restore it --repeat times (the part to profile, e.g. under ``py-spy record --gil``).
-Prints one JSON line with the restore times."""
+"""Profile helper: where a verified GPU restore spends its time, per chunk size and knob.
+
+Builds the 8B-shape f16 Llama engine of bench_gpu, installs a *random* cache of N tokens
+(no prefill: the restore does not care what the rows mean, and a 131k prefill costs device
+time), saves it with each ``--chunk-mib`` store chunk size, then restores it ``--repeat``
+times per variant (the default pipeline, the calibrated host tail, other worker counts,
+other ring sizes). One JSON line per (tokens, chunk size, variant) with the restore times,
+the median run's phases (``device_*_s``: where the installing thread waited) and the save.
+Every first restore of a store is checked bit for bit against the installed cache.
+
+    python3 benchmarks/profile_gpu_restore.py --tokens 32768,131072 --chunk-mib 1,2
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -15,77 +25,134 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
+def random_session(engine, n: int, seed: int):
+    """A session at ``n`` tokens whose cache rows and logits are random (installed)."""
+    import torch
+
+    g = torch.Generator(device=engine.device).manual_seed(seed)
+    tokens = torch.randint(3, engine.layout.vocab_size, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+    s = engine.new_session()
+    install = s.begin_install(n, tokens, engine.identity)
+    for layer, role in engine.layout.states():
+        rows = n * engine.layout.layer(layer).row_bytes
+        data = torch.randint(0, 256, (rows,), dtype=torch.uint8, device=engine.device, generator=g)
+        install.write_rows(layer, role, 0, data)
+    install.write_logits(torch.randn(engine.layout.vocab_size, dtype=torch.float32).numpy().tobytes())
+    install.commit()
+    return s, tokens
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--tokens", type=int, default=32768)
-    ap.add_argument("--repeat", type=int, default=6)
+    ap.add_argument("--tokens", default="32768")
+    ap.add_argument("--chunk-mib", default="1,2")
+    ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--workers", type=int, default=os.cpu_count())
-    ap.add_argument("--store-dir", default=tempfile.mkdtemp())
-    ap.add_argument("--tails", default="", help="also restore with these device_host_tail values (comma list)")
-    ap.add_argument("--variants", action="store_true", help="also: GIL switch interval 0.5 ms, 8 and 12 workers, host verify")
+    ap.add_argument("--store-dir", default=None)
+    ap.add_argument(
+        "--variants", default="default,threads,host_tail,workers_8", help="threads: no reader processes; also: waves_32 (a new ring: pins its staging once)"
+    )
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--layers", type=int, default=32, help="fewer for a CPU dry run")
     args = ap.parse_args()
     import torch
 
-    from bench_gpu import build_model  # the benchmark's own model builder
+    from bench_gpu import build_model, planes_equal  # the benchmark's own model builder
 
     from kvpack.engine.transformers_adapter import TransformersEngine
     from kvpack.store import PackStore
 
+    lengths = [int(x) for x in args.tokens.split(",") if x]
     spec = argparse.Namespace(
-        device="cuda", dtype="f16", layers=32, hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=14336, vocab=128256, seed=0, tokens=[args.tokens]
+        device=args.device,
+        dtype="f16",
+        layers=args.layers,
+        hidden=4096,
+        heads=32,
+        kv_heads=8,
+        head_dim=128,
+        intermediate=1024,
+        vocab=128256,
+        seed=0,
+        tokens=lengths,
     )
-    engine = TransformersEngine(build_model(spec, torch), device="cuda", prefill_chunk_tokens=256, max_context=args.tokens + 256)
-    tokens = torch.randint(0, 128000, (args.tokens,), generator=torch.Generator().manual_seed(5)).tolist()
-    s = engine.new_session()
-    with torch.inference_mode():
-        s.prefill(tokens)
-    store = PackStore.init(os.path.join(args.store_dir, "p"))
-    store.workers = args.workers
-    store.save(s)
-    hit = store.find_deepest(tokens, engine.layout, engine.identity.ids())
-    print("RESTORE-START", flush=True)
+    engine = TransformersEngine(build_model(spec, torch), device=args.device, prefill_chunk_tokens=256, max_context=max(lengths) + 256)
+    root = args.store_dir or tempfile.mkdtemp(prefix="kvpack-profile-")
 
-    def measure(label: str, repeat: int) -> None:
-        times, phases = [], []
-        for _ in range(repeat):
-            r = engine.new_session()
-            t0 = time.perf_counter()
-            rep = store.restore(hit, r, tokens)
+    def sync() -> None:
+        if engine.device.type == "cuda":
             torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-            phases.append(rep.phases)
-            del r
-        mid = sorted(range(repeat), key=lambda i: times[i])[repeat // 2]
-        print(
-            json.dumps(
-                {
-                    "variant": label,
-                    "tokens": args.tokens,
-                    "restore_s": [round(t, 4) for t in times],
-                    "median_s": round(statistics.median(times), 4),
-                    "phases": {k: round(v, 4) for k, v in phases[mid].items()},
-                }
-            ),
-            flush=True,
-        )
 
-    measure("default", args.repeat)
-    if args.tails:
-        for tail in [int(x) for x in args.tails.split(",")]:
-            store.device_host_tail = tail
-            measure(f"host_tail_{tail}", args.repeat)
-        store.device_host_tail = None
-    if args.variants:
-        old = sys.getswitchinterval()
-        sys.setswitchinterval(0.0005)
-        measure("switch_0.5ms", args.repeat)
-        sys.setswitchinterval(old)
-        for workers in (8, 12):
-            store.workers = workers
-            measure(f"workers_{workers}", args.repeat)
-        store.workers = args.workers
-        store.verify_on = "host"
-        measure("host_verify", args.repeat)
+    def emit(line: dict) -> None:
+        text = json.dumps(line, sort_keys=True)
+        print(text, flush=True)
+        if args.out:
+            with open(args.out, "a") as fh:
+                fh.write(text + "\n")
+
+    warm, wtokens = random_session(engine, 1024, 1)  # pins the ring, compiles the kernel
+    wstore = PackStore.init(os.path.join(root, "warm"))
+    wstore.workers = args.workers
+    wstore.save(warm)
+    wstore.restore(wstore.find_deepest(wtokens, engine.layout, engine.ids()), engine.new_session(), wtokens)
+    del warm
+    for n in lengths:
+        s, tokens = random_session(engine, n, n)
+        for mib in [float(x) for x in args.chunk_mib.split(",") if x]:
+            path = os.path.join(root, f"n{n}-c{mib}")
+            shutil.rmtree(path, ignore_errors=True)
+            store = PackStore.init(path, chunk_bytes=int(mib * (1 << 20)))
+            store.workers = args.workers
+            save = store.save(s)
+            hit = store.find_deepest(tokens, engine.layout, engine.ids())
+            checked = False
+            for variant in args.variants.split(","):
+                store.workers, store.device_host_tail, store.device_waves, store.read_processes = args.workers, 0, 16, "auto"
+                if variant == "threads":
+                    store.read_processes = "never"
+                elif variant == "host_tail":
+                    store.device_host_tail = None
+                elif variant.startswith("workers_"):
+                    store.workers = int(variant.split("_")[1])
+                elif variant.startswith("waves_"):
+                    store.device_waves = int(variant.split("_")[1])
+                times, phases, hashed = [], [], None
+                for _ in range(args.repeat):
+                    sync()
+                    t0 = time.perf_counter()
+                    r = engine.new_session()
+                    rep = store.restore(hit, r, tokens)
+                    sync()
+                    times.append(time.perf_counter() - t0)
+                    phases.append(rep.phases)
+                    hashed = rep.hashed_on
+                    if not checked:
+                        assert planes_equal(torch, s, r), "restored cache differs"
+                        checked = True
+                    del r
+                mid = sorted(range(len(times)), key=lambda i: times[i])[len(times) // 2]
+                emit(
+                    {
+                        "bench": "profile_restore",
+                        "tokens": n,
+                        "chunk_bytes": store.chunk_bytes,
+                        "chunks": save.chunks_written,
+                        "variant": variant,
+                        "restore_s": [round(t, 4) for t in times],
+                        "median_s": round(statistics.median(times), 4),
+                        "phases": {k: round(v, 4) for k, v in phases[mid].items()},
+                        "hashed_on": hashed,
+                        "save_s": round(save.seconds, 3),
+                        "save_object_gbps": round(save.bytes_written / save.seconds / 1e9, 3),
+                        "kv_bytes": save.plaintext_bytes,
+                    }
+                )
+            shutil.rmtree(path, ignore_errors=True)
+        del s
+        if engine.device.type == "cuda":
+            torch.cuda.empty_cache()
+    shutil.rmtree(root, ignore_errors=True)
 
 
 if __name__ == "__main__":
