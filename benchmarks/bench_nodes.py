@@ -227,8 +227,13 @@ def bench_handoff(args, sock: str, engine, out: str | None) -> list[dict]:
     for k, stripes in enumerate(args.stripes_list):
         runs = []
         for rep in range(args.repeat):
-            dt, res = _request(sock, prompt + [100 + k, 200 + rep], 1, stripes)
+            # the token after the resident prompt differs in every request: the decode
+            # node's live session (prompt + the previous request's next token) is then no
+            # prefix of it, so every measured request takes a full transfer, never local reuse
+            dt, res = _request(sock, prompt + [100 + k * args.repeat + rep, 7], 1, stripes)
             t = res.get("transfer") or {}
+            if not t.get("payload_bytes") or (res.get("plan") or {}).get("action") not in (None, "full_transfer"):
+                raise RuntimeError(f"request {k}/{rep} was not a full transfer: plan {res.get('plan')}")
             runs.append((dt, _wire_s(res), t.get("payload_bytes", 0), t.get("stripes", 1), (t.get("producer_receipt") or {}).get("prefill_tokens")))
         dt = statistics.median(r[0] for r in runs)
         wire = statistics.median(r[1] for r in runs)
@@ -269,10 +274,15 @@ def peers(args, payload_bytes: int, tile_bytes: int) -> dict[int, dict]:
                 fh.write(rng.integers(0, 256, size=min(step, left), dtype=np.uint8).tobytes())
         segs = [(off, min(tile_bytes, payload_bytes - off)) for off in range(0, payload_bytes, tile_bytes)]
         segs = [(off, n - n % 2048) for off, n in segs if n >= 2048]
-        lines = procs.run(path, segs, args.stripes_list, tile_bytes, None, timeout=args.timeout)
+        # bench_handoff_procs needs a segment per stripe: a payload of fewer tiles than a
+        # stripe count is compared with as many stripes as it has tiles (as the daemons,
+        # which put tile j on stripe j mod k, leave the extra stripes empty)
+        counts = sorted({min(n, len(segs)) for n in args.stripes_list})
+        lines = procs.run(path, segs, counts, tile_bytes, None, timeout=args.timeout)
     finally:
         os.unlink(path)
-    return {line["stripes"]: line for line in lines}
+    by_count = {line["stripes"]: line for line in lines}
+    return {n: by_count[min(n, len(segs))] for n in args.stripes_list}
 
 
 def main(argv=None) -> int:
@@ -317,6 +327,7 @@ def main(argv=None) -> int:
             for line in lines:
                 p = ref.get(line["stripes"], {})
                 line.update(
+                    procs_stripes=p.get("stripes"),
                     procs_sealed_gbps=p.get("sealed_gbps"),
                     raw_tls_gbps=p.get("raw_tls_gbps"),
                     wire_vs_procs_sealed=round(line["wire_gbps"] / p["sealed_gbps"], 3) if p.get("sealed_gbps") and line["wire_gbps"] else None,

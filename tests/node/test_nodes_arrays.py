@@ -128,6 +128,8 @@ def test_full_then_delta_handoff_bit_exact_with_receipts_and_metrics(nodes):
     committed = [r for r in receipts(n.rdir) if r["verdict"] == "committed"]
     assert len(committed) == 2 and committed[1]["prefix_cut"] == 512
     assert set(committed[0]["durations_s"]) >= {"wire", "verify", "prepare", "reserve", "commit"}
+    # phases are stamped in order: the seal's arrival precedes its checks, reserve and commit
+    assert all(v >= 0 for r in committed for v in r["durations_s"].values()), [r["durations_s"] for r in committed]
     assert committed[0]["digests"]["begin_sha256"] and committed[0]["payload_bytes"] == t1["payload_bytes"]
     pres = [r for r in receipts(n.pdir) if r.get("verdict") == "committed"]
     assert [r["prefilled_tokens"] for r in pres] == [len(PROMPT) - 1, len(FOLLOW) - 1 - 512]

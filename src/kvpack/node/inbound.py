@@ -287,10 +287,14 @@ class InboundRun:
     def _pump(self) -> Committed:
         """Feed the state machine until it commits (or raises its typed refusal)."""
         rx, cancelled = self.rx, self._cancelled
+        # effects are stamped with the arrival of the bytes that caused them (taken before
+        # the state machine ran): the seal's stamp precedes its checks, reserve and commit,
+        # so "wire" is the wire alone and "verify" never goes negative
+        t_got = time.perf_counter()
         effects = rx.receive_data(self.first)
         while True:
             for e in effects:
-                done = self._effect(e, time.perf_counter())
+                done = self._effect(e, t_got)
                 if done is not None:
                     return done
             # Fill the whole wanted() view (the rest of a preamble or header, or the next hash
@@ -300,6 +304,7 @@ class InboundRun:
             if not want:
                 raise ProtocolError("state", "receiver finished without a commit", remote=False)
             got = fill(self.chan, buf, self._deadline(), cancelled)
+            t_got = time.perf_counter()
             effects = rx.advance(got) if got else []
             if got < want:
                 rx.eof()  # raises: the stream ended before the seal
