@@ -107,9 +107,8 @@ def _restore_child(store_dir: str, tokens_file: str, n: int) -> int:
     return 0
 
 
-def run_demo(max_new_tokens: int = 24, *, quiet: bool = False) -> dict:
-    from ..generate import chat_tokens
-    from ..node.common import load_engine
+def _start_cluster(engine, tmp: str):
+    """Enroll a throwaway cluster in ``tmp`` and start both nodes on loopback (real sockets, mTLS)."""
     from ..node.producer import ProducerNode
     from ..node.receiver import ReceiverNode
     from ..node.wire import identity_file_json
@@ -117,6 +116,133 @@ def run_demo(max_new_tokens: int = 24, *, quiet: bool = False) -> dict:
     from ..security.config import load_producer_config, load_receiver_config
     from ..security.enroll import Cluster
     from ..store import PackStore
+
+    with status("enrolling a throwaway cluster (CA, decode node, prefill node, pins, pair key) ..."):
+        cluster = Cluster.init(os.path.join(tmp, "cluster"), identity=identity_file_json(engine))
+        cluster.enroll_node("decode-a", "receiver", listen=f"127.0.0.1:{_free_port()}")
+        cluster.enroll_node("prefill-a", "producer", control_listen=f"127.0.0.1:{_free_port()}")
+        rcfg = load_receiver_config(cluster.receiver_config_path("decode-a", "prefill-a"))
+        pcfg = load_producer_config(cluster.producer_config_path("prefill-a"))
+        rstore = PackStore.init(os.path.join(tmp, "decode-store"))
+        pstore = PackStore.init(os.path.join(tmp, "prefill-store"))
+    producer = ProducerNode(pcfg, engine, receipts_dir=os.path.join(tmp, "prefill-receipts"), store=pstore).start()
+    try:
+        receiver = ReceiverNode(rcfg, engine, receipts_dir=os.path.join(tmp, "decode-receipts"), store=rstore, socket_path=None).start()
+    except BaseException:
+        producer.stop()
+        raise
+    return producer, receiver, rstore
+
+
+def _full_handoff(engine, receiver, prompt: list[int], max_new_tokens: int, stops, say) -> dict:
+    """Step 2: the receiver asks the producer for the whole prompt; proof against a local run."""
+    from ..progress import status
+
+    with status(f"local reference: prefill {len(prompt)} tokens and decode on one node ..."):
+        ref = _local_reference(engine, prompt, max_new_tokens, stops)
+    with status("disaggregated: control -> prefill -> sealed tiles over mTLS -> verify -> reserve -> commit -> decode ..."):
+        got = receiver.generate(prompt, max_new_tokens, stop_token_ids=stops)
+    transfer = got["transfer"]
+    receipt = transfer["producer_receipt"] or {}
+    exact = got["tokens"] == ref["tokens"] and got["logits_sha256"] == ref["logits_sha256"]
+    wire_s = receipt.get("payload_wire_ns", 0) / 1e9
+    gbps = transfer["payload_bytes"] * 8 / wire_s / 1e9 if wire_s else 0.0
+    split = {
+        "control_s": round(transfer["control_s"], 4),
+        "prefill_s": round((receipt.get("prefill_end_unix_ns", 0) - receipt.get("prefill_start_unix_ns", 0)) / 1e9, 4),
+        "wire_s": round(wire_s, 4),
+        "verify_s": transfer["durations_s"].get("verify"),
+        "reserve_s": transfer["durations_s"].get("reserve"),
+        "commit_s": transfer["durations_s"].get("commit"),
+        "boundary_s": got["boundary_s"],
+    }
+    answer = engine.decode(got["tokens"]).strip()
+    say(f"\nQ1 ({len(prompt)} prompt tokens): {QUESTION_1}\nA1: {answer}")
+    say(f"  bit-exact vs local decoding (tokens and {len(got['tokens'])} logits rows): {exact}")
+    say(
+        f"  full handoff: {transfer['payload_bytes']:,} B in {transfer['segments']} sealed tiles, {gbps:.2f} Gbit/s while sending; "
+        f"producer prefilled {receipt.get('prefill_tokens')} tokens"
+    )
+    say(
+        f"  TTFT {got['ttft_s']:.3f} s = "
+        + ", ".join(f"{k[:-2]} {v:.4f}" for k, v in split.items() if v is not None)
+        + " (prefill and wire overlap: tiles stream per chunk)"
+    )
+    return {
+        "exact": exact,
+        "answer": answer,
+        "bytes": transfer["payload_bytes"],
+        "prefilled": receipt.get("prefill_tokens"),
+        "gbps": gbps,
+        "split": split,
+        "ttft_s": got["ttft_s"],
+        "local_ttft_s": ref["ttft_s"],
+    }
+
+
+def _delta_handoff(engine, receiver, prompt: list[int], max_new_tokens: int, stops, say) -> dict:
+    """Step 3: a follow-up sharing a prefix arms a delta and is saved to the decode node's store."""
+    from ..progress import status
+
+    with status(f"local reference for the follow-up ({len(prompt)} tokens) ..."):
+        ref = _local_reference(engine, prompt, max_new_tokens, stops)
+    with status("follow-up: resident prefix arms a delta; producer prefills only the suffix ..."):
+        got = receiver.generate(prompt, max_new_tokens, save=True, stop_token_ids=stops)
+    transfer = got["transfer"]
+    receipt = transfer["producer_receipt"] or {}
+    exact = got["tokens"] == ref["tokens"] and got["logits_sha256"] == ref["logits_sha256"]
+    full_equiv = receiver.geometry.tile_bytes(len(prompt) - 1)
+    prefilled = receipt.get("prefill_tokens", 0)
+    say(f"\nQ2: {QUESTION_2}\nA2: {engine.decode(got['tokens']).strip()}")
+    say(
+        f"  delta handoff (prefix_cut {transfer['prefix_cut']}, {got['plan']['tier']} tier): {transfer['payload_bytes']:,} B "
+        f"instead of {full_equiv:,} B ({100 * (1 - transfer['payload_bytes'] / full_equiv):.1f} % saved); producer "
+        f"prefilled {prefilled} of {len(prompt) - 1} tokens ({len(prompt) - 1 - prefilled} not recomputed)"
+    )
+    say(f"  bit-exact vs local decoding: {exact}")
+    return {
+        "exact": exact,
+        "tokens": got["tokens"],
+        "logits_sha256": got["logits_sha256"],
+        "bytes": transfer["payload_bytes"],
+        "full_equivalent_bytes": full_equiv,
+        "prefix_cut": transfer["prefix_cut"],
+        "prefilled": prefilled,
+        "saved": got["saved"],
+        "ttft_s": got["ttft_s"],
+    }
+
+
+def _restore_in_new_process(store_dir: str, tmp: str, prompt: list[int], max_new_tokens: int, delta: dict, say) -> bool:
+    """Step 4: a fresh process restores the saved cut and must decode exactly what the node did."""
+    from ..progress import status
+
+    tokens_file = os.path.join(tmp, "prompt2.json")
+    with open(tokens_file, "w", encoding="utf-8") as fh:
+        json.dump(prompt, fh)
+    with status("restoring the saved cut in a new process and decoding ..."):
+        child = subprocess.run(
+            [sys.executable, "-m", "kvpack.commands.demo", "--restore-child", store_dir, tokens_file, str(max_new_tokens)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    try:
+        restored = json.loads(child.stdout.strip().splitlines()[-1])
+    except (IndexError, ValueError):
+        restored = {"ok": False, "error": child.stderr[-2000:]}
+    exact = bool(restored.get("ok")) and restored["tokens"] == delta["tokens"] and restored["logits_sha256"] == delta["logits_sha256"]
+    say(
+        f"  saved to the durable store ({delta['saved']['kind']} pack, cut {delta['saved']['cut']}); new process restored "
+        f"{restored.get('bytes_verified', 0):,} verified bytes and decoded identically: {exact}"
+    )
+    return exact
+
+
+def run_demo(max_new_tokens: int = 24, *, quiet: bool = False) -> dict:
+    from ..generate import chat_tokens
+    from ..node.common import load_engine
+    from ..progress import status
 
     def say(msg: str) -> None:
         if not quiet:
@@ -128,16 +254,7 @@ def run_demo(max_new_tokens: int = 24, *, quiet: bool = False) -> dict:
     eos = engine.tokenizer.eos_token_id
     stops = [eos] if eos is not None else []
     tmp = tempfile.mkdtemp(prefix="kvpack-demo-")
-    with status("enrolling a throwaway cluster (CA, decode node, prefill node, pins, pair key) ..."):
-        cluster = Cluster.init(os.path.join(tmp, "cluster"), identity=identity_file_json(engine))
-        cluster.enroll_node("decode-a", "receiver", listen=f"127.0.0.1:{_free_port()}")
-        cluster.enroll_node("prefill-a", "producer", control_listen=f"127.0.0.1:{_free_port()}")
-        rcfg = load_receiver_config(cluster.receiver_config_path("decode-a", "prefill-a"))
-        pcfg = load_producer_config(cluster.producer_config_path("prefill-a"))
-        rstore = PackStore.init(os.path.join(tmp, "decode-store"))
-        pstore = PackStore.init(os.path.join(tmp, "prefill-store"))
-    producer = ProducerNode(pcfg, engine, receipts_dir=os.path.join(tmp, "prefill-receipts"), store=pstore).start()
-    receiver = ReceiverNode(rcfg, engine, receipts_dir=os.path.join(tmp, "decode-receipts"), store=rstore, socket_path=None).start()
+    producer, receiver, rstore = _start_cluster(engine, tmp)
     say(
         f"cluster in {tmp}: producer control 127.0.0.1:{producer.control_port}, receiver data "
         f"127.0.0.1:{receiver.data_port}, metrics 127.0.0.1:{receiver.metrics.port} / :{producer.metrics.port}"
@@ -145,91 +262,30 @@ def run_demo(max_new_tokens: int = 24, *, quiet: bool = False) -> dict:
     try:
         p1 = chat_tokens(engine, DOCUMENT + "\n\n" + QUESTION_1)
         p2 = chat_tokens(engine, DOCUMENT + "\n\n" + QUESTION_2)
-        with status(f"local reference: prefill {len(p1)} tokens and decode on one node ..."):
-            ref1 = _local_reference(engine, p1, max_new_tokens, stops)
-        with status("disaggregated: control -> prefill -> sealed tiles over mTLS -> verify -> reserve -> commit -> decode ..."):
-            r1 = receiver.generate(p1, max_new_tokens, stop_token_ids=stops)
-        t1 = r1["transfer"]
-        pr1 = t1["producer_receipt"] or {}
-        exact1 = r1["tokens"] == ref1["tokens"] and r1["logits_sha256"] == ref1["logits_sha256"]
-        wire_s = pr1.get("payload_wire_ns", 0) / 1e9
-        gbps = t1["payload_bytes"] * 8 / wire_s / 1e9 if wire_s else 0.0
-        split = {
-            "control_s": round(t1["control_s"], 4),
-            "prefill_s": round((pr1.get("prefill_end_unix_ns", 0) - pr1.get("prefill_start_unix_ns", 0)) / 1e9, 4),
-            "wire_s": round(wire_s, 4),
-            "verify_s": t1["durations_s"].get("verify"),
-            "reserve_s": t1["durations_s"].get("reserve"),
-            "commit_s": t1["durations_s"].get("commit"),
-            "boundary_s": r1["boundary_s"],
-        }
-        answer1 = engine.decode(r1["tokens"])
-        say(f"\nQ1 ({len(p1)} prompt tokens): {QUESTION_1}\nA1: {answer1.strip()}")
-        say(f"  bit-exact vs local decoding (tokens and {len(r1['tokens'])} logits rows): {exact1}")
-        say(
-            f"  full handoff: {t1['payload_bytes']:,} B in {t1['segments']} sealed tiles, {gbps:.2f} Gbit/s while sending; "
-            f"producer prefilled {pr1.get('prefill_tokens')} tokens"
-        )
-        say(
-            f"  TTFT {r1['ttft_s']:.3f} s = "
-            + ", ".join(f"{k[:-2]} {v:.4f}" for k, v in split.items() if v is not None)
-            + " (prefill and wire overlap: tiles stream per chunk)"
-        )
-        with status(f"local reference for the follow-up ({len(p2)} tokens) ..."):
-            ref2 = _local_reference(engine, p2, max_new_tokens, stops)
-        with status("follow-up: resident prefix arms a delta; producer prefills only the suffix ..."):
-            r2 = receiver.generate(p2, max_new_tokens, save=True, stop_token_ids=stops)
-        t2 = r2["transfer"]
-        pr2 = t2["producer_receipt"] or {}
-        exact2 = r2["tokens"] == ref2["tokens"] and r2["logits_sha256"] == ref2["logits_sha256"]
-        full_equiv = receiver.geometry.tile_bytes(len(p2) - 1)
-        say(f"\nQ2: {QUESTION_2}\nA2: {engine.decode(r2['tokens']).strip()}")
-        say(
-            f"  delta handoff (prefix_cut {t2['prefix_cut']}, {r2['plan']['tier']} tier): {t2['payload_bytes']:,} B "
-            f"instead of {full_equiv:,} B ({100 * (1 - t2['payload_bytes'] / full_equiv):.1f} % saved); producer "
-            f"prefilled {pr2.get('prefill_tokens')} of {len(p2) - 1} tokens ({len(p2) - 1 - pr2.get('prefill_tokens', 0)} not recomputed)"
-        )
-        say(f"  bit-exact vs local decoding: {exact2}")
-        tokens_file = os.path.join(tmp, "prompt2.json")
-        with open(tokens_file, "w", encoding="utf-8") as fh:
-            json.dump(p2, fh)
-        with status("restoring the saved cut in a new process and decoding ..."):
-            child = subprocess.run(
-                [sys.executable, "-m", "kvpack.commands.demo", "--restore-child", rstore.path, tokens_file, str(max_new_tokens)],
-                capture_output=True,
-                text=True,
-                timeout=300,
-            )
-        try:
-            restored = json.loads(child.stdout.strip().splitlines()[-1])
-        except (IndexError, ValueError):
-            restored = {"ok": False, "error": child.stderr[-2000:]}
-        exact3 = bool(restored.get("ok")) and restored["tokens"] == r2["tokens"] and restored["logits_sha256"] == r2["logits_sha256"]
-        say(
-            f"  saved to the durable store ({r2['saved']['kind']} pack, cut {r2['saved']['cut']}); new process restored "
-            f"{restored.get('bytes_verified', 0):,} verified bytes and decoded identically: {exact3}"
-        )
+        full = _full_handoff(engine, receiver, p1, max_new_tokens, stops, say)
+        delta = _delta_handoff(engine, receiver, p2, max_new_tokens, stops, say)
+        exact_restore = _restore_in_new_process(rstore.path, tmp, p2, max_new_tokens, delta, say)
         out = {
-            "bit_exact": bool(exact1 and exact2 and exact3),
-            "bit_exact_full": exact1,
-            "bit_exact_delta": exact2,
-            "bit_exact_restore_new_process": exact3,
-            "answer": answer1.strip(),
+            "bit_exact": bool(full["exact"] and delta["exact"] and exact_restore),
+            "bit_exact_full": full["exact"],
+            "bit_exact_delta": delta["exact"],
+            "bit_exact_restore_new_process": exact_restore,
+            "answer": full["answer"],
             "prompt_tokens": len(p1),
             "followup_prompt_tokens": len(p2),
-            "full_bytes": t1["payload_bytes"],
-            "delta_bytes": t2["payload_bytes"],
-            "delta_full_equivalent_bytes": full_equiv,
-            "bytes_saved": full_equiv - t2["payload_bytes"],
-            "prefix_cut": t2["prefix_cut"],
-            "prefilled_tokens_full": pr1.get("prefill_tokens"),
-            "prefilled_tokens_delta": pr2.get("prefill_tokens"),
-            "tokens_not_recomputed": len(p2) - 1 - pr2.get("prefill_tokens", 0),
-            "payload_gbps": round(gbps, 3),
-            "ttft_s": r1["ttft_s"],
-            "ttft_split_s": split,
-            "ttft_delta_s": r2["ttft_s"],
-            "local_ttft_s": round(ref1["ttft_s"], 4),
+            "full_bytes": full["bytes"],
+            "delta_bytes": delta["bytes"],
+            "delta_full_equivalent_bytes": delta["full_equivalent_bytes"],
+            "bytes_saved": delta["full_equivalent_bytes"] - delta["bytes"],
+            "prefix_cut": delta["prefix_cut"],
+            "prefilled_tokens_full": full["prefilled"],
+            "prefilled_tokens_delta": delta["prefilled"],
+            "tokens_not_recomputed": len(p2) - 1 - delta["prefilled"],
+            "payload_gbps": round(full["gbps"], 3),
+            "ttft_s": full["ttft_s"],
+            "ttft_split_s": full["split"],
+            "ttft_delta_s": delta["ttft_s"],
+            "local_ttft_s": round(full["local_ttft_s"], 4),
             "receipts": {"receiver": len(receiver.receipts.all()), "producer": len(producer.receipts.all())},
             "cluster_dir": tmp,
             "seconds": round(time.perf_counter() - t_all, 2),
