@@ -191,20 +191,19 @@ def encode_chunk(
     total = aligned_object_bytes(stored)
     if total > C.MAX_CHUNK_OBJECT_BYTES:
         raise fail("bounds", f"chunk: object {total} bytes exceeds the cap")
-    obj = bytearray(total)
-    _FIXED.pack_into(obj, 8, 1, C.HEADER_BYTES, C.ALIGNMENT, 1 if encrypted else 0, codec, codec_version, n, frame_len, stored, total, epoch)
-    _write_header_ids(obj, keys.tenant, family_digest, content_id, object_key, salt, nonce, sidecar)
+    header = bytearray(C.HEADER_BYTES)
+    _FIXED.pack_into(header, 8, 1, C.HEADER_BYTES, C.ALIGNMENT, 1 if encrypted else 0, codec, codec_version, n, frame_len, stored, total, epoch)
+    _write_header_ids(header, keys.tenant, family_digest, content_id, object_key, salt, nonce, sidecar)
     if encrypted:
-        aad = bytes(obj[: C.HEADER_BYTES])
         data_key = chunk_data_key(keys.chunk_encryption, salt, content_id, object_key)
-        obj[C.HEADER_BYTES : C.HEADER_BYTES + stored] = seal(data_key, nonce, frame, aad)
+        payload: tuple[bytes | bytearray | memoryview, ...] = (seal(data_key, nonce, frame, bytes(header)),)
+    elif in_place:
+        payload = (frame_header(codec, n), plaintext)
     else:
-        if in_place:
-            obj[C.HEADER_BYTES : C.HEADER_BYTES + C.CODEC_FRAME_HEADER_BYTES] = frame_header(codec, n)
-            obj[C.HEADER_BYTES + C.CODEC_FRAME_HEADER_BYTES : C.HEADER_BYTES + stored] = plaintext
-        else:
-            obj[C.HEADER_BYTES : C.HEADER_BYTES + stored] = frame
-    out = bytes(obj)
+        payload = (frame,)
+    # one pass over the payload: header, payload and zero padding joined into the object
+    # (building it in a zeroed bytearray and copying that out again took three)
+    out = b"".join((header, *payload, bytes(total - C.HEADER_BYTES - stored)))
     ref = ChunkRef(content_id, object_key, hashlib.sha256(out).digest(), epoch, n, total)
     return EncodedChunk(out, ref, content_id, object_key)
 
