@@ -17,6 +17,7 @@ Start with ``kv_connector_module_path: "kvpack.integrations.vllm"`` and
 from __future__ import annotations
 
 import logging
+import os
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole, KVConnectorTransferResults
@@ -51,16 +52,26 @@ class KvpackConnector(KVConnectorBase_V1):
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._disagg: Any = None
-        if self.settings.role != "kv_both":
-            # disaggregated prefill lands separately (issue #17); refuse rather than half-run
-            raise SecurityError("config", f"kv_role {self.settings.role!r} is not available in this build of the kvpack connector (kv_both is)")
         if role == KVConnectorRole.SCHEDULER:
+            if self.settings.role == "kv_producer" and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
+                # finished prefills reach the worker's outbox in the steps after them, which
+                # only vLLM's engine-core loop runs; an in-process offline engine steps only
+                # while a caller waits for its own requests
+                raise SecurityError("config", "kv_producer needs vLLM's engine-core process (unset VLLM_ENABLE_V1_MULTIPROCESSING=0)")
             identity = vllm_identity(vllm_config)
             check_kv_cache_config(identity, kv_cache_config)
             block_size = int(kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size)
             self._scheduler = SchedulerSide(self.settings, identity, block_size, store)
+            if self.settings.role != "kv_both":
+                from .disagg import SchedulerHandoff
+
+                self._disagg = SchedulerHandoff(self.settings, identity, block_size, self._scheduler.stats)
         else:
             self._worker = WorkerSide(self.settings, vllm_config, store)
+            if self.settings.role != "kv_both":
+                from .disagg import WorkerHandoff
+
+                self._disagg = WorkerHandoff(self.settings, vllm_config, self._worker)
 
     # ==============================================================================================
     # worker side
