@@ -53,16 +53,21 @@ def quiet_third_party(force: bool = False) -> None:
 
 @contextmanager
 def status(message: str) -> Iterator[None]:
-    """A spinner with ``message`` while the block runs (terminal only)."""
+    """A spinner with ``message`` and the time elapsed while the block runs (terminal only):
+    a wait whose length kvpack cannot count (a model load, a remote prefill) still shows
+    that it is alive and for how long."""
     if not interactive():
         yield
         return
     try:
         from rich.console import Console
+        from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
     except ImportError:  # the node extra is not installed: no spinner, same work
         yield
         return
-    with _live(), Console(stderr=True).status(message):
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
+    with _live(), Progress(*columns, console=Console(stderr=True), transient=True) as progress:
+        progress.add_task(message, total=None)
         yield
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import pty
+import re
 import select
 import ssl
 import stat
@@ -159,6 +160,7 @@ with progress.bar("prefill", 300) as advance:
 def test_progress_shows_on_a_terminal_only():
     shown = _on_a_terminal(PROGRESS_SNIPPET, "loud")
     assert "warming the cache" in shown and "prefill" in shown
+    assert re.search(r"warming the cache.*0:00:0\d", shown)  # a status shows the time elapsed
     assert _on_a_terminal(PROGRESS_SNIPPET, "quiet") == ""  # --json
     piped = subprocess.run([sys.executable, "-c", PROGRESS_SNIPPET, "loud"], capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(REPO / "src")))
     assert piped.stderr == ""  # not a terminal
