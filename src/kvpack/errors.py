@@ -106,6 +106,7 @@ class ProtocolError(KvpackError):
             "ledger_unavailable",  # the replay ledger cannot reserve (latched degraded until its volume probes clean)
             "sink",  # the sink refused (prepare/commit)
             "delta",  # prefix_cut / delta witness rules (C.11)
+            "layout",  # segments of another cache layout or dtype than this receiver's
             "aborted",  # peer or local abort
         }
     )

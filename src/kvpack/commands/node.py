@@ -124,6 +124,45 @@ def cmd_receiver(args: argparse.Namespace) -> int:
     return _serve_until_signal(node.stop)
 
 
+def cmd_receive(args: argparse.Namespace) -> int:
+    """``kvpack receive --once``: bind, admit one unsolicited transfer (C.15 without
+    producer_control), print its receipt; exit 0 when it committed, else its refusal."""
+    import queue
+
+    from ..cli_errors import CommandFailed
+    from ..errors import NetworkError, SecurityError
+    from ..node.receiver import ReceiverNode
+    from ..security.config import load_receiver_config
+
+    cfg = load_receiver_config(args.config)
+    if cfg.producer_control is not None:
+        raise SecurityError("config", f"{cfg.path}: kvpack receive takes a receiver config without producer_control (unsolicited mode)")
+    base = os.path.dirname(cfg.path)
+    engine = _engine(args)
+    store = None if args.no_store else _store(args.store, os.path.join(base, "state", "store"))
+    node = ReceiverNode(cfg, engine, receipts_dir=args.receipts or os.path.join(base, "receipts"), store=store, metrics_port=None, socket_path=None)
+    _start(node)
+    try:
+        print(json.dumps({"ready": True, "role": "receive", "data_port": node.data_port}), file=sys.stderr, flush=True)
+        try:
+            outcome = node.landed.get(timeout=args.timeout)
+        except queue.Empty:
+            raise NetworkError("timeout", f"no transfer was admitted within {args.timeout:g} s (refused connections are in the receipts)") from None
+    finally:
+        node.stop()
+    info = outcome.info
+    if args.json:
+        print(json.dumps(info, sort_keys=True, default=str))
+    elif outcome.error is None:
+        print(
+            f"committed {info['transfer_id']} (generation {info['generation']}): {info['position']} tokens, "
+            f"{info['payload_bytes']} B in {info['segments']} segments; session {info.get('session')}; receipt {info.get('receipt_path')}"
+        )
+    if outcome.error is not None:
+        raise CommandFailed(str(info.get("reason", "refused")), str(info.get("detail", "")))
+    return 0
+
+
 def cmd_producer(args: argparse.Namespace) -> int:
     from ..node.producer import ProducerNode
     from ..security.config import load_producer_config
@@ -231,6 +270,8 @@ def cmd_request(args: argparse.Namespace) -> int:
         payload["producer"] = args.producer
     if args.ignore_eos:
         payload["stop_at_eos"] = False
+    if args.session:
+        payload["session"] = args.session
     if args.tokens_file:
         payload["tokens"] = read_token_ids(args.tokens_file, stdin_text=sys.stdin.read() if args.tokens_file == "-" else None)
     else:
@@ -355,10 +396,20 @@ def register(sub) -> None:
     p.add_argument("--max-new-tokens", type=max_new_tokens, default=32, help="tokens to decode after the prompt")
     p.add_argument("--ignore-eos", action="store_true", help="decode exactly --max-new-tokens tokens (do not stop at end-of-sequence)")
     p.add_argument("--save", action="store_true", help="also save the prompt's cut to the receiver's pack store")
+    p.add_argument(
+        "--session",
+        help="decode from this received session (unsolicited mode; its name is the transfer id): the prompt is the whole prompt, starting with the session's tokens",
+    )
     p.add_argument("--timeout", type=duration, default=900.0, help="seconds to wait for the reply")
     p.add_argument("--stripes", type=int_range(1, 16), help="stripe the handoff over this many connections (default: the node's --stripes)")
     p.add_argument("--producer", help="ask this enrolled producer (default: the node picks one)")
     p.set_defaults(func=cmd_request, extras=("node",))
+
+    p = sub.add_parser("receive", help="one-shot decode node: wait for one unsolicited transfer, print its receipt, exit")
+    _common(p)
+    p.add_argument("--once", action="store_true", required=True, help="receive one transfer and exit (the long-running form is kvpack receiver)")
+    p.add_argument("--timeout", type=duration, default=900.0, help="seconds to wait for an admitted transfer")
+    p.set_defaults(func=cmd_receive)
 
 
 def _tokens_file(text: str) -> str:

@@ -76,6 +76,13 @@ def check_declared_schedule(manifest: BeginManifestV2, layout: SpanLayout, cut: 
     and sha are not compared because the schedule has none)."""
     expected = schedule_span(layout, manifest.position, cut)
     target = [d for d in manifest.segments if d.component_id == layout.component_id]
+    shapes = {segment_shape(e) for e in expected}
+    foreign = [d for d in target if descriptor_shape(d) not in shapes]
+    if foreign:
+        d = foreign[0]
+        raise ProtocolError(
+            "layout", f"declared segment {d.sequence} {descriptor_shape(d)} differs from every segment shape of this cache layout {sorted(shapes, key=str)}"
+        )
     if len(target) != len(expected):
         raise ProtocolError("delta", f"declared target segments ({len(target)}) differ from the span schedule ({len(expected)})")
     for d, e in zip(target, expected):
@@ -87,17 +94,35 @@ def descriptor_key(d: SegmentDescriptorV2) -> SegmentKey:
     return (d.role, d.layer, d.logical_start, d.logical_count, d.element_type, d.elements_per_token)
 
 
+SegmentShape = tuple[str, Optional[int], str, int]
+"""(role, layer label, element_type, elements_per_token): which planes a segment packs and
+in what dtype -- the cache layout's part of a segment, without its rows."""
+
+
+def descriptor_shape(d: SegmentDescriptorV2) -> SegmentShape:
+    return (d.role, d.layer, d.element_type, d.elements_per_token)
+
+
+def segment_shape(e: SpanSegment) -> SegmentShape:
+    return (e.role, e.layer, e.element_type, e.elements_per_token)
+
+
 class ScheduleWitness:
     """Observed target segments versus the expected span schedule (the delta witness).
 
     ``observe`` refuses the first segment that deviates (fail fast, before it is written to
     the sink); ``finish`` refuses an incomplete stream at prepare (errata M3: the seal only
     authenticates what was sent, so completeness must be checked separately).
+
+    A segment whose *shape* (role, layer label, element type, elements per token) is not
+    one of the schedule's is a different cache layout or dtype: category ``layout``. One of
+    a known shape at the wrong rows, or in the wrong order, breaks the span rules: ``delta``.
     """
 
     def __init__(self, expected: Sequence[SpanSegment], component_id: str) -> None:
         self.expected = tuple(expected)
         self.component_id = component_id
+        self.shapes = frozenset(segment_shape(e) for e in self.expected)
         self.observed: list[SegmentKey] = []
 
     def peek(self, d: SegmentDescriptorV2) -> None:
@@ -113,6 +138,11 @@ class ScheduleWitness:
         if d.component_id != self.component_id:
             return False
         k = len(self.observed)
+        if descriptor_shape(d) not in self.shapes:
+            raise ProtocolError(
+                "layout",
+                f"segment {d.sequence}: {descriptor_shape(d)} differs from every segment shape of this cache layout {sorted(self.shapes, key=str)}",
+            )
         if k >= len(self.expected):
             raise ProtocolError("delta", f"segment {d.sequence}: target segment beyond the span schedule")
         if descriptor_key(d) != self.expected[k].key():

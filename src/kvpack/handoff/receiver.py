@@ -187,6 +187,9 @@ class Receiver:
         self.state = ReceiverState.AWAIT_BEGIN
         self.decoder = FrameDecoder(config.limits, reuse_payload_buffer=True, payload_gate=self._admit_payload)
         self.manifest: Optional[BeginManifestV2] = None
+        #: The begin that was parsed, admitted or not (receipts name the transfer_id and
+        #: generation of a refused begin; ``manifest`` is set only once it is admitted).
+        self.offered: Optional[BeginManifestV2] = None
         self.prefix_cut = 0
         self.error: Optional[ProtocolError] = None
         self._sink_open = False
@@ -387,6 +390,7 @@ class Receiver:
     def _on_begin(self, frame: Begin) -> list[Effect]:
         m = frame.manifest
         cfg = self.config
+        self.offered = m
         check_transfer_id(cfg.expectations, m)
         self._call("replay", self.replay.admit, m.hmac.key_id, m.hmac.epoch, m.generation)
         if self.now_unix_ms > m.expires_unix_ms:

@@ -350,7 +350,7 @@ class InboundRun:
         """The receipt body: what was transferred, digests, timestamps and phase durations.
         A begin refused before admission still names its transfer id and generation."""
         rx, p = self.rx, self.pending
-        m = rx.manifest or getattr(rx, "offered", None)
+        m = rx.manifest or rx.offered
         core = rx.seal_core()
         return {
             "request_id": p.request_id,

@@ -29,7 +29,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from ..errors import StoreError
 from ..handoff.delta import ReuseAction, classify_reuse
@@ -49,33 +49,59 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return i
 
 
-class RowsSource:
-    """Rows ``[0, n)`` of every ``(layer, role)`` plane, held as bytes (a resident entry)."""
+def window_covers(layout, held_position: int, cut: int) -> bool:
+    """Whether a cache at ``held_position`` still holds every row an install at ``cut``
+    needs: always for full-attention layers (``cut <= held_position``); for a windowed
+    layer the window ending at ``cut`` must not have slid out, which holds only when the
+    held cache is no deeper than the window or ends exactly at the cut."""
+    if not 0 < cut <= held_position:
+        return False
+    return all(layout.retained_range(s.index, held_position)[0] <= layout.retained_range(s.index, cut)[0] for s in layout.layers)
 
-    def __init__(self, tokens: Sequence[int], planes: dict, row_bytes: dict) -> None:
+
+class RowsSource:
+    """The rows a session held at ``position`` for every ``(layer, role)`` plane, as bytes
+    (a resident entry): ``[0, n)`` of full layers, the window ending at ``n`` of windowed
+    ones (:meth:`retained_range`)."""
+
+    def __init__(self, tokens: Sequence[int], planes: dict, row_bytes: dict, lows: Optional[dict] = None, layout=None) -> None:
         self.tokens = tuple(int(t) for t in tokens)
         self.planes = planes
         self.row_bytes = row_bytes
+        self.lows = lows or {}
+        self.layout = layout
         self.nbytes = sum(len(p) for p in planes.values())
 
     @property
     def position(self) -> int:
         return len(self.tokens)
 
+    def retained_range(self, layer: int) -> tuple[int, int]:
+        return self.lows.get(layer, 0), len(self.tokens)
+
+    def covers(self, cut: int) -> bool:
+        """An install at ``cut`` can take every row it needs before the cut from here."""
+        return self.layout is None or window_covers(self.layout, self.position, cut)
+
     def export_rows(self, layer: int, role: str, start: int, stop: int) -> memoryview:
-        if not 0 <= start <= stop <= len(self.tokens):
-            raise ValueError(f"rows [{start}, {stop}) outside [0, {len(self.tokens)})")
+        lo = self.lows.get(layer, 0)
+        if not lo <= start <= stop <= len(self.tokens):
+            raise ValueError(f"rows [{start}, {stop}) outside the held [{lo}, {len(self.tokens)})")
         rb = self.row_bytes[layer]
-        return memoryview(self.planes[(layer, role)])[start * rb : stop * rb]
+        return memoryview(self.planes[(layer, role)])[(start - lo) * rb : (stop - lo) * rb]
 
     @classmethod
     def capture(cls, session, n: int) -> "RowsSource":
-        """Copy rows ``[0, n)`` out of a session (full-span layers: any n <= position)."""
+        """Copy the rows a cache at ``n`` holds out of a session: ``[0, n)`` of full layers
+        (any ``n <= position``), the window ending at ``n`` of windowed layers (still held by
+        the session only while it is at ``n``, or ``n`` lies within the first window)."""
         layout = session.layout
-        planes = {}
-        for layer, role in layout.states():
-            planes[(layer, role)] = bytes(session.export_rows(layer, role, 0, n))
-        return cls(session.tokens[:n], planes, {s.index: s.row_bytes for s in layout.layers})
+        planes, lows = {}, {}
+        for spec in layout.layers:
+            lows[spec.index] = lo = layout.retained_range(spec.index, n)[0]
+            for role in sorted(layout.roles):
+                planes[(spec.index, role)] = bytes(session.export_rows(spec.index, role, lo, n))
+        return cls(session.tokens[:n], planes, {s.index: s.row_bytes for s in layout.layers}, lows, layout)
 
 
 @dataclass
@@ -84,7 +110,7 @@ class HeldPrefix:
 
     tier: str
     tokens: tuple[int, ...]
-    source: object  # export_rows(layer, role, start, stop)
+    source: Any  # export_rows(layer, role, start, stop); a durable hit: (hit, tokens)
     restore_s: float = 0.0
 
     @property
@@ -152,6 +178,8 @@ class ResidentRadix:
                 # absolute multiples of 256, so rows past a boundary depend on where the
                 # computing call ended; docs/engine.md "Determinism").
                 if ident == identity and len(etoks) >= want > 0 and etoks[:want] == tokens[:want] and (len(etoks) == want or is_token_aligned(want)):
+                    if not entry.covers(want):  # a windowed entry deeper than the cut
+                        continue
                     self._entries.move_to_end((ident, etoks))
                     return HeldPrefix("resident", tokens[:want], entry)
             node = self._roots.get(identity)
@@ -161,8 +189,21 @@ class ResidentRadix:
                 if child is None:
                     break
                 node, depth = child, depth + BLOCK
-                best = HeldPrefix("resident", tokens[:depth], node.entry)
+                if node.entry is not None and node.entry.covers(depth):
+                    best = HeldPrefix("resident", tokens[:depth], node.entry)
+            if best is None or best.matched < depth:
+                # The newest entry of a node may be a windowed one that no longer holds the
+                # window at that depth while an older one (ending there) does.
+                best = self._covering(identity, tokens, depth, best)
             return best
+
+    def _covering(self, identity: bytes, tokens: tuple[int, ...], depth: int, best: Optional[HeldPrefix]) -> Optional[HeldPrefix]:
+        floor = 0 if best is None else best.matched
+        for d in range(depth, floor, -BLOCK):
+            for (ident, etoks), entry in reversed(self._entries.items()):
+                if ident == identity and len(etoks) >= d and etoks[:d] == tokens[:d] and entry.covers(d):
+                    return HeldPrefix("resident", tokens[:d], entry)
+        return best
 
 
 @dataclass
@@ -221,7 +262,7 @@ class Ladder:
                 candidates.append(HeldPrefix("durable", tuple(tokens[: hit.cut]), (hit, tuple(tokens[: hit.cut]))))
         # 1. anything reaching prompt-1 serves locally (live first: it costs nothing)
         for c in candidates:
-            if classify_reuse(c.matched, p, c.tier) is ReuseAction.SERVE_LOCAL:
+            if classify_reuse(c.matched, p, c.tier) is ReuseAction.SERVE_LOCAL and self._holds(c, min(c.matched, p - 1)):
                 return Plan(ReuseAction.SERVE_LOCAL, c.tier, c.matched, c, time.perf_counter() - t0)
         # 2. the deepest aligned prefix of a fetched tier arms a delta
         best: Optional[Plan] = None
@@ -229,7 +270,7 @@ class Ladder:
             if c.tier == "live":
                 continue
             aligned = align_tokens_down(c.matched)
-            if aligned and classify_reuse(aligned, p, c.tier) is ReuseAction.ARM_DELTA:
+            if aligned and classify_reuse(aligned, p, c.tier) is ReuseAction.ARM_DELTA and self._holds(c, aligned):
                 if best is None or aligned > best.matched:
                     held = HeldPrefix(c.tier, tuple(tokens[:aligned]), c.source)
                     best = Plan(ReuseAction.ARM_DELTA, c.tier, aligned, held, 0.0)
@@ -237,6 +278,16 @@ class Ladder:
             best.lookup_s = time.perf_counter() - t0
             return best
         return Plan(ReuseAction.FULL_TRANSFER, "none", 0, None, time.perf_counter() - t0)
+
+    def _holds(self, c: HeldPrefix, cut: int) -> bool:
+        """The candidate still holds every row an install at ``cut`` needs (windowed layers:
+        the window ending at the cut; see :func:`window_covers`)."""
+        if c.tier == "durable":
+            assert isinstance(c.source, tuple)  # (hit, tokens): restored exactly at hit.cut
+            position = c.source[0].cut
+        else:
+            position = c.source.position  # a live session or a RowsSource
+        return window_covers(self.engine.layout, position, cut)
 
     def materialize(self, held: HeldPrefix):
         """A row source for ``held``: durable hits are restored (verified) into a scratch

@@ -63,7 +63,7 @@ from ..security.tls import client_context, connect, server_context
 from ..vocab import FileLock, LockHeld, align_tokens_down, is_token_aligned
 from .common import chunk_tokens, hash_workers, now_ms, read_control, readable, verdict_of
 from .control import EXT_PREFIX_CUT, EXT_STRIPES, EXTENSIONS, MAX_REQUEST_BYTES, echo_id, split_extensions
-from .ladder import ResidentRadix, RowsSource
+from .ladder import ResidentRadix, RowsSource, window_covers
 from .metrics import NodeMetrics
 from .receipts import ReceiptWriter, RefusalLog
 from .status import attach_producer
@@ -366,6 +366,8 @@ class ProducerNode:
         held = self.resident.lookup(self.identity_digest, prompt[: limit + 1])  # 'prompt' of limit rows + 1
         best_res = 0 if held is None else min(held.matched, limit)
         best_res = align_tokens_down(best_res)
+        if best_res and held is not None and not window_covers(self.engine.layout, held.source.position, best_res):
+            best_res = 0  # a windowed entry deeper than the cut no longer holds its window
         if self.store is not None:
             hit = self.store.find_deepest(prompt[:limit], self.engine.layout, self.engine.identity.ids())
             if hit is not None and is_token_aligned(hit.cut) and hit.cut > best_res:
@@ -414,10 +416,12 @@ class ProducerNode:
             self.resident.insert(self.identity_digest, RowsSource.capture(session, len(tokens)))
             saved = []
             if self.store is not None:
-                # aligned checkpoints only (see _reuse_plan)
+                # aligned checkpoints only (see _reuse_plan), and of a windowed layout only those
+                # whose windows the session still holds (the others slid out during the prefill)
                 for c in sorted(checkpoints):
-                    self.store.save(session, cut=c, logits=checkpoints[c])
-                    saved.append(c)
+                    if window_covers(self.engine.layout, session.position, c):
+                        self.store.save(session, cut=c, logits=checkpoints[c])
+                        saved.append(c)
         except KvpackError as exc:  # a full store degrades only this save
             receipt["remembered"] = {"error": f"{exc.category}: {exc.message}"[:500]}
             return
@@ -564,7 +568,7 @@ class _Job:
             seg = self.schedule[self.next_tile]
             if seg.logical_start + seg.logical_count > upto:
                 break
-            self._put(pack_tile(s, self.node.geometry, seg.logical_start, seg.logical_count), seg)
+            self._put(pack_tile(s, self.node.geometry, seg), seg)
 
     def _prefill_and_ship(self) -> tuple[int, str]:
         node = self.node
@@ -576,7 +580,7 @@ class _Job:
                 seg = self.schedule[self.next_tile]
                 if seg.logical_start + seg.logical_count > cut:
                     break
-                self._put(lambda seg=seg, geometry=node.geometry: pack_tile(source, geometry, seg.logical_start, seg.logical_count), seg)
+                self._put(lambda seg=seg, geometry=node.geometry: pack_tile(source, geometry, seg), seg)
         session = self.session = node.engine.new_session()
         self.ns["prefill_start"] = time.time_ns()
         reused, tier = node._install_prefix(session, self.prompt, cut, tier, source)

@@ -1,26 +1,38 @@
 """Mapping an engine's KV cache onto the Handoff V2 wire (INTEROP C.12-C.13), both directions.
 
 Handoff V2 speaks in span classes and packed tiles; an engine adapter speaks in
-``(layer, role)`` token-major planes. A model whose layers are all full attention (SmolLM2,
-Llama) is the *one-class* case of the schedule (DESIGN.md, "Mapping the seed's model"):
+``(layer, role)`` token-major planes (DESIGN.md, "Mapping the seed's model"). A layout has
+up to two classes:
 
-* one span class ``full`` with role ``nope_tile`` holding every layer in one group (the
-  segment's ``layer`` is null, exactly like Muse's NoPE tiles): rows ``[cut, position)``;
-* a tile packs, for each layer in order, the K plane then the V plane of ``count`` rows
-  (errata L6), so ``elements_per_token = layers * 2 * kv_heads * head_dim``;
-* the element type is the cache dtype (``f32`` -> ``f32_le``, ``f16`` -> ``f16_le``; other
-  dtypes have no wire type and are refused);
-* tiles are ``TILE_TOKENS = 256`` rows: the schedule anchors tiles at the cut (a multiple of
-  256) and the engine prefills in absolute 256-token chunks, so each prefill chunk completes
-  exactly one tile and the producer can ship it before the next chunk is computed.
+* **windowed** layers (sliding-window RoPE, Muse's SWA) form class ``swa``, role
+  ``swa_tile``: rows ``[max(cut, position - window), position)``, packed ``G`` layers per
+  segment (``G`` = the number of full-attention layers, Muse's 13), each segment labelled
+  with its group's first layer; they come first on the wire (upstream's layer-major order);
+* **full-attention** layers form class ``nope``, role ``nope_tile``, all in one group
+  (``layer: null``): rows ``[cut, position)``.
 
-Windowed (sliding) layers would need a second span class and a window re-derivation on
-delta installs; this mapping refuses them (``unsupported``) rather than guess.
+A tile packs, for each layer of its group in order, the K plane then the V plane of
+``count`` rows, token-major (errata L6), so ``elements_per_token = layers * 2 * kv_heads *
+head_dim``; the element type is the cache dtype (``f16`` -> ``f16_le``, ``f32`` ->
+``f32_le``; others have no wire type and are refused).
+
+Tile rows: a layout with windowed layers follows PART C exactly -- 512-row tiles
+(``NOPE_TILE``) -- so for the seed's Muse geometry (muse-tiny) :func:`span_layout` *is* the
+upstream ``MUSE`` preset and the schedule is byte-exact with ``muse_schedule_span``. A
+layout of full-attention layers only (SmolLM2, Llama) is kvpack's own one-class mapping
+(class ``full``): 256-row tiles, so that each absolute 256-token prefill chunk completes one
+tile and the producer ships it before the next chunk is computed.
+
+Installing: every plane of a detached install needs ``install.required_range(layer)``
+(``[0, position)`` for full layers, the window ending at ``position`` for windowed ones).
+The wire carries the rows at or after the cut; a delta takes the rest from the prefix the
+receiver holds (:func:`copy_prefix`): ``[0, cut)`` of full layers and, when the window
+reaches back before the cut, ``[position - window, cut)`` of windowed layers.
 
 The identity a receiver admits (C.4 ``identity`` and ``target_cache_identity_sha256``) is
 derived from the engine's exact identity (docs/engine.md) by :func:`wire_identity`, so both
 nodes compute it from the model they actually loaded and a mismatch anywhere is refused at
-admission.
+admission. This module never touches sockets: bytes in, bytes out.
 """
 
 from __future__ import annotations
@@ -28,23 +40,23 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
+from typing import Any
 
 from ..durable import atomic_write
 from ..engine.contract import LAYER_FULL, CacheLayout
 from ..errors import EngineError
 from ..handoff.manifest import ExactIdentityV1
-from ..handoff.schedule import SpanClass, SpanLayout, SpanSegment
+from ..handoff.schedule import MUSE, SpanClass, SpanLayout, SpanSegment, schedule_span
 from ..vocab import TOKEN_ALIGN, sha256_hex
 
-TILE_TOKENS = TOKEN_ALIGN
+TILE_TOKENS = TOKEN_ALIGN  # one-class (full-attention only) layouts: one tile per prefill chunk
+WINDOWED_TILE_TOKENS = 512  # layouts with windowed layers: PART C's NOPE_TILE
 _WIRE_TYPES = {"f32": "f32_le", "f16": "f16_le"}
 
 
 def span_layout(layout: CacheLayout) -> SpanLayout:
-    """The one-class span layout of an all-full-attention cache layout."""
+    """The span layout of an engine's cache layout (see the module docstring)."""
     specs = layout.layers
-    if any(s.kind != LAYER_FULL for s in specs):
-        raise EngineError("unsupported", "the node wire mapping covers full-attention layers only")
     widths = {s.kv_heads * s.head_dim for s in specs}
     dtypes = {s.dtype for s in specs}
     if len(widths) != 1 or len(dtypes) != 1:
@@ -52,60 +64,118 @@ def span_layout(layout: CacheLayout) -> SpanLayout:
     dtype = dtypes.pop()
     if dtype not in _WIRE_TYPES:
         raise EngineError("unsupported", f"cache dtype {dtype} has no Handoff V2 element type")
-    return SpanLayout(
-        name=f"full-{len(specs)}",
-        classes=(SpanClass("full", "nope_tile", tuple(s.index for s in specs), None, len(specs), False),),
-        tile_tokens=TILE_TOKENS,
-        element_type=_WIRE_TYPES[dtype],
-        plane_elements=widths.pop(),
+    full = tuple(s.index for s in specs if s.kind == LAYER_FULL)
+    windowed = tuple(s.index for s in specs if s.kind != LAYER_FULL)
+    width, element_type = widths.pop(), _WIRE_TYPES[dtype]
+    if not windowed:
+        return SpanLayout(
+            name=f"full-{len(specs)}",
+            classes=(SpanClass("full", "nope_tile", full, None, len(full), False),),
+            tile_tokens=TILE_TOKENS,
+            element_type=element_type,
+            plane_elements=width,
+        )
+    windows = {s.window_tokens for s in specs if s.kind != LAYER_FULL}
+    if len(windows) != 1:
+        raise EngineError("unsupported", f"windowed layers with different windows {sorted(windows)} cannot share one span class")
+    classes: tuple[SpanClass, ...] = (SpanClass("swa", "swa_tile", windowed, windows.pop(), len(full) or len(windowed), True),)
+    if full:
+        classes += (SpanClass("nope", "nope_tile", full, None, len(full), False),)
+    out = SpanLayout(name="two-class", classes=classes, tile_tokens=WINDOWED_TILE_TOKENS, element_type=element_type, plane_elements=width)
+    return MUSE if _same_wire(out, MUSE) else out
+
+
+def _same_wire(a: SpanLayout, b: SpanLayout) -> bool:
+    return (a.classes, a.tile_tokens, a.cut_align, a.element_type, a.plane_elements, a.planes_per_layer, a.component_id) == (
+        b.classes,
+        b.tile_tokens,
+        b.cut_align,
+        b.element_type,
+        b.plane_elements,
+        b.planes_per_layer,
+        b.component_id,
     )
 
 
 @dataclass(frozen=True)
 class TileGeometry:
-    """Byte offsets of the planes inside one packed tile of ``count`` rows."""
+    """Which planes a segment packs and where: the wire layout plus plane widths."""
 
-    layers: tuple[int, ...]
+    span: SpanLayout
     roles: tuple[str, ...]
     row_bytes: int
+    layers: tuple[int, ...]  # every layer, in order
+    groups: tuple[tuple[tuple[str, Any], tuple[int, ...]], ...]  # ((role, label), layers)
 
     @classmethod
     def of(cls, layout: CacheLayout) -> "TileGeometry":
-        span_layout(layout)  # refuses what the mapping does not cover
-        return cls(tuple(s.index for s in layout.layers), tuple(layout.roles), layout.layers[0].row_bytes)
+        span = span_layout(layout)  # refuses what the mapping does not cover
+        groups = []
+        for c in span.classes:
+            for g in c.groups():
+                groups.append(((c.role, g[0] if c.label_group_head else None), g))
+        return cls(span, tuple(layout.roles), layout.layers[0].row_bytes, tuple(s.index for s in layout.layers), tuple(groups))
 
-    def planes(self):
-        return [(layer, role) for layer in self.layers for role in self.roles]
+    def group(self, segment: SpanSegment) -> tuple[int, ...]:
+        """The layers a segment packs (EngineError ``layout`` for a role or label this
+        layout does not have: the witness refuses those earlier, this is the backstop)."""
+        for key, layers in self.groups:
+            if key == (segment.role, segment.layer):
+                return layers
+        raise EngineError("layout", f"no {segment.role} group labelled {segment.layer!r} in this cache layout")
 
-    def tile_bytes(self, count: int) -> int:
-        return count * self.row_bytes * len(self.layers) * len(self.roles)
+    def planes(self, layers: tuple[int, ...] | None = None) -> list[tuple[int, str]]:
+        return [(layer, role) for layer in (self.layers if layers is None else layers) for role in self.roles]
+
+    def tile_bytes(self, count: int, layers: tuple[int, ...] | None = None) -> int:
+        """Bytes of ``count`` rows of every plane of ``layers`` (default: all layers)."""
+        return count * self.row_bytes * len(self.planes(layers))
+
+    def schedule(self, position: int, cut: int = 0) -> tuple[SpanSegment, ...]:
+        return schedule_span(self.span, position, cut)
+
+    def payload_bytes(self, position: int, cut: int = 0) -> int:
+        """Bytes on the wire for ``[cut, position)``: the span-schedule arithmetic."""
+        return sum(seg.byte_len for seg in self.schedule(position, cut))
 
 
-def pack_tile(session, geometry: TileGeometry, start: int, count: int) -> bytearray:
-    """One tile's payload: per layer K then V rows ``[start, start+count)`` (one copy)."""
+def pack_tile(session, geometry: TileGeometry, segment: SpanSegment) -> bytearray:
+    """One segment's payload: per layer of its group, K then V rows (one copy each)."""
+    layers = geometry.group(segment)
+    start, count = segment.logical_start, segment.logical_count
     plane = count * geometry.row_bytes
-    out = bytearray(geometry.tile_bytes(count))
+    out = bytearray(geometry.tile_bytes(count, layers))
     view = memoryview(out)
-    for i, (layer, role) in enumerate(geometry.planes()):
+    for i, (layer, role) in enumerate(geometry.planes(layers)):
         view[i * plane : (i + 1) * plane] = session.export_rows(layer, role, start, start + count)
     return out
 
 
 def scatter_tile(install, geometry: TileGeometry, segment: SpanSegment, payload: memoryview) -> None:
-    """Write one verified tile into a detached install, plane by plane (no extra copy)."""
+    """Write one verified segment into a detached install, plane by plane (no extra copy).
+    The install refuses rows outside a layer's needed range (its window)."""
+    layers = geometry.group(segment)
     plane = segment.logical_count * geometry.row_bytes
-    if payload.nbytes != plane * len(geometry.layers) * len(geometry.roles):
-        raise EngineError("layout", f"tile of {payload.nbytes} bytes does not match {segment.logical_count} rows")
-    for i, (layer, role) in enumerate(geometry.planes()):
+    if payload.nbytes != plane * len(geometry.planes(layers)):
+        raise EngineError("layout", f"tile of {payload.nbytes} bytes does not match {segment.logical_count} rows of {len(layers)} layers")
+    for i, (layer, role) in enumerate(geometry.planes(layers)):
         install.write_rows(layer, role, segment.logical_start, payload[i * plane : (i + 1) * plane])
 
 
 def copy_prefix(source, install, geometry: TileGeometry, cut: int) -> int:
-    """Rows ``[0, cut)`` of every plane from a held source into an install; returns bytes."""
+    """The rows before ``cut`` that ``install`` needs, from a held source; returns bytes.
+
+    Full layers: ``[0, cut)``. Windowed layers: ``[lo, cut)`` where ``lo`` is the start of
+    the install's window (nothing when the window starts at or after the cut: the wire
+    carries all of it). The source must still hold those rows (it refuses evicted rows).
+    """
     n = 0
     for layer, role in geometry.planes():
-        rows = source.export_rows(layer, role, 0, cut)
-        install.write_rows(layer, role, 0, rows)
+        lo = install.required_range(layer)[0]
+        if lo >= cut:
+            continue
+        rows = source.export_rows(layer, role, lo, cut)
+        install.write_rows(layer, role, lo, rows)
         n += rows.nbytes
     return n
 
@@ -113,10 +183,12 @@ def copy_prefix(source, install, geometry: TileGeometry, cut: int) -> int:
 def wire_identity(engine) -> tuple[ExactIdentityV1, str]:
     """(ExactIdentityV1, target_cache_identity_sha256) of an engine, from its exact identity.
 
-    The five C.4 digests carry the engine's Id32 components (weights+config, adapters,
+    ``model_sha256`` is the engine's weights digest (for muse-tiny the SHA-256 of the
+    weights file it loaded, the seed's rule; for SmolLM2 the digest of its verified
+    tensors); the other C.4 digests carry the engine's Id32 components (adapters,
     tokenizer+template, position semantics); the target cache identity is the digest over
-    all eight Id32 (cache ABI, topology and shard map included), so a producer running
-    another build, thread count or dtype is refused at admission.
+    all eight Id32 (config, cache ABI, topology and shard map included), so a producer
+    running another build, thread count, layout or dtype is refused at admission.
     """
     ident = engine.identity
     ids = ident.ids()
@@ -125,7 +197,7 @@ def wire_identity(engine) -> tuple[ExactIdentityV1, str]:
         chat_template_sha256=ident.chat_template_digest,
         context_policy_sha256=ids.position_semantics.hex(),
         model_revision=ident.model_name,
-        model_sha256=ids.weights_config.hex(),
+        model_sha256=ident.weights_digest,
         tokenizer_revision=ident.tokenizer_digest[:16],
         tokenizer_sha256=ids.tokenizer_template.hex(),
     )
