@@ -94,6 +94,18 @@ BASES: dict[tuple[str, ...], dict] = {
         },
     },
     ("request",): {"pos": [], "opt": {"--socket": "{stale_sock}", "--tokens-file": "{tokens}", "--max-new-tokens": "2", "--timeout": "5"}},
+    ("receive",): {
+        "pos": [],
+        "opt": {
+            "--once": None,
+            "--config": "{rcfg}",
+            "--engine": ENGINE,
+            "--threads": "1",
+            "--store": "{root}/ustore",
+            "--receipts": "{root}/ureceipts",
+            "--timeout": "5",
+        },
+    },
     ("fixture",): {"pos": ["{root}/fx"], "opt": {}},
     ("inspect",): {"pos": ["{pack}"], "opt": {"--root-key-file": "{key}"}},
     ("verify",): {"pos": ["{chunk}"], "opt": {"--root-key-file": "{key}", "--pack": "{pack}"}},

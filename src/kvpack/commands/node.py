@@ -138,10 +138,10 @@ def cmd_receive(args: argparse.Namespace) -> int:
     if cfg.producer_control is not None:
         raise SecurityError("config", f"{cfg.path}: kvpack receive takes a receiver config without producer_control (unsolicited mode)")
     base = os.path.dirname(cfg.path)
-    engine = _engine(args)
     store = None if args.no_store else _store(args.store, os.path.join(base, "state", "store"))
-    node = ReceiverNode(cfg, engine, receipts_dir=args.receipts or os.path.join(base, "receipts"), store=store, metrics_port=None, socket_path=None)
-    _start(node)
+    node = ReceiverNode(cfg, None, receipts_dir=args.receipts or os.path.join(base, "receipts"), store=store, metrics_port=None, socket_path=None)
+    _bind(node)  # fail fast: ledger lock, volume probe and data port before the model loads
+    _start(node, _engine(args))
     try:
         print(json.dumps({"ready": True, "role": "receive", "data_port": node.data_port}), file=sys.stderr, flush=True)
         try:
@@ -406,7 +406,12 @@ def register(sub) -> None:
     p.set_defaults(func=cmd_request, extras=("node",))
 
     p = sub.add_parser("receive", help="one-shot decode node: wait for one unsolicited transfer, print its receipt, exit")
-    _common(p)
+    p.add_argument("--config", required=True, type=existing_file, help="receiver config without producer_control (unsolicited mode)")
+    p.add_argument("--engine", type=engine_spec, default="smollm2", help=_spec_help())
+    p.add_argument("--threads", type=threads, help="torch threads (part of the engine identity; default: the engine's default)")
+    p.add_argument("--store", type=not_a_file, help="pack store directory for the received prefix cut (default: <config dir>/state/store, created)")
+    p.add_argument("--no-store", action="store_true", help="no durable tier")
+    p.add_argument("--receipts", type=not_a_file, help="receipt directory (default: <config dir>/receipts)")
     p.add_argument("--once", action="store_true", required=True, help="receive one transfer and exit (the long-running form is kvpack receiver)")
     p.add_argument("--timeout", type=duration, default=900.0, help="seconds to wait for an admitted transfer")
     p.set_defaults(func=cmd_receive)
