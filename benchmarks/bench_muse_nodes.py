@@ -1,15 +1,21 @@
 """muse-tiny (the seed's Muse cache layout, f16) handed off through the real daemons.
 
 For each position in ``--positions`` (default 4,096 and 32,768), on one enrolled loopback
-cluster with three ``kvpack`` daemon subprocesses (a producer and two receivers, mutual TLS
-1.3, ``--engine muse-tiny``):
+cluster with three ``kvpack`` daemon subprocesses (a producer with a pack store and two
+receivers, mutual TLS 1.3, ``--engine muse-tiny``):
 
-* **cold**: receiver A asks for the prompt (position + the boundary token); the producer
-  prefills it and streams the span schedule while it computes. Reported: the producer's
-  prefill seconds, the receiver's TTFT, ``payload_bytes`` against the upstream Muse
-  span-schedule arithmetic (``schedule_bytes``, must be equal), the SWA and NoPE shares;
-* **warm (sealed rate)**: receiver B, holding nothing, asks for the same prompt extended
-  by one token; the producer installs the prefix it computed (its resident entry ends
+* **prefill** (this process, one thread, the daemons' engine): the prompt's deepest
+  256-aligned prefix, saved to the producer's store (``local_prefill_s``). A Muse producer
+  can send nothing until the prefill is within one window of its end (the first SWA segment
+  ends there, C.12 layer-major order), and the receiver waits at most ``timeout_ms`` (900 s,
+  C.15) between frames: on a slow 2-core host a cold 32k prefill inside the producer would
+  outlast it, so the producer restores this prefix (verified) and prefills the last chunk;
+* **cold**: receiver A asks for the prompt (position + the boundary token); reported: the
+  producer's reuse tier and prefilled tokens, the receiver's TTFT, ``payload_bytes``
+  against the upstream Muse span-schedule arithmetic (``schedule_bytes``, must be equal),
+  the SWA and NoPE shares;
+* **warm (sealed rate)**: receiver B, holding nothing, asks for the same prompt extended by
+  one token; the producer installs the prefix it just computed (its resident entry ends
   exactly there, so the windows are held) and prefills one token, so the transfer is almost
   all wire: ``sealed_gbps`` = payload / (ack - transfer start) from the producer's receipt,
   plus the receiver's verify/reserve/commit phases;
@@ -19,7 +25,7 @@ cluster with three ``kvpack`` daemon subprocesses (a producer and two receivers,
 
 Both ends share this machine's cores (2 on CI-sized hosts), so the rates are a lower bound
 for separate machines. Prints ONE JSON line. The 32,768-token prefill of muse-tiny takes
-minutes on 2 cores; pass ``--positions 4096`` for a quick run.
+tens of minutes on 2 busy cores; pass ``--positions 4096`` for a quick run.
 """
 
 from __future__ import annotations
@@ -110,6 +116,22 @@ def raw_tls_gbps(node_dir: str, nbytes: int) -> float:
     return nbytes * 8 / seconds / 1e9
 
 
+def seed_store(engine, store_dir: str, position: int) -> float:
+    """Prefill the prompt's deepest aligned prefix the producer would reuse and save it
+    (with its logits row) to the producer's store; returns the prefill seconds."""
+    from kvpack.store import PackStore
+
+    prompt = prompt_of(position + 1, position)
+    limit = (position - 1) - (position - 1) % 256
+    session = engine.new_session()
+    t0 = time.perf_counter()
+    session.prefill(prompt[:limit])
+    seconds = time.perf_counter() - t0
+    store = PackStore.open(store_dir) if os.path.exists(os.path.join(store_dir, "store.json")) else PackStore.init(store_dir)
+    store.save(session)
+    return seconds
+
+
 def one_position(position: int, socks: dict[str, str], tmp: str) -> dict:
     prompt = prompt_of(position + 1, position)
     schedule = muse_schedule_span(position, 0)
@@ -136,7 +158,8 @@ def one_position(position: int, socks: dict[str, str], tmp: str) -> dict:
         "segments": len(schedule),
         "swa_bytes": shares.get("swa", 0),
         "nope_bytes": shares.get("nope", 0),
-        "cold_prefill_s": round((pc["prefill_end_unix_ns"] - pc["prefill_start_unix_ns"]) / 1e9, 3),
+        "cold_producer_prefill_tokens": pc["prefill_tokens"],
+        "cold_producer_prefill_s": round((pc["prefill_end_unix_ns"] - pc["prefill_start_unix_ns"]) / 1e9, 3),
         "cold_request_s": round(cold_s, 3),
         "cold_ttft_s": cold["result"]["ttft_s"],
         "warm_prefill_tokens": pw["prefill_tokens"],
@@ -159,14 +182,20 @@ def main(argv: list[str] | None = None) -> int:
         c.enroll_node(name, "receiver", listen=f"127.0.0.1:{free_port()}")
     c.enroll_node("prefill-a", "producer", control_listen=f"127.0.0.1:{free_port()}")
     socks = {k: os.path.join(tempfile.mkdtemp(prefix="kvb-"), f"{k}.sock") for k in ("a", "b")}
-    daemons = [Daemon(["producer", "--config", c.producer_config_path("prefill-a"), *ENGINE, "--no-store", "--no-metrics"])]
+    positions = [int(x) for x in args.positions.split(",") if x]
+    store_dir = os.path.join(tmp, "producer-store")
+    prefill_s = {p: seed_store(engine, store_dir, p) for p in positions}
+    daemons = [Daemon(["producer", "--config", c.producer_config_path("prefill-a"), *ENGINE, "--store", store_dir, "--no-metrics"])]
     for k, name in (("a", "decode-a"), ("b", "decode-b")):
         cfg = c.receiver_config_path(name, "prefill-a")
         daemons.append(Daemon(["receiver", "--config", cfg, *ENGINE, "--no-store", "--no-metrics", "--socket", socks[k]]))
     out: dict = {"bench": "muse_nodes", "engine": "muse-tiny", "threads": 1, "cpus": os.cpu_count(), "positions": []}
     try:
-        for position in [int(x) for x in args.positions.split(",") if x]:
-            out["positions"].append(one_position(position, socks, tmp))
+        for position in positions:
+            cell = one_position(position, socks, tmp)
+            cell["local_prefill_s"] = round(prefill_s[position], 3)
+            cell["local_prefill_tokens_per_s"] = round((position - 1 - (position - 1) % 256) / prefill_s[position], 1)
+            out["positions"].append(cell)
     finally:
         for d in daemons:
             d.stop()
