@@ -190,14 +190,22 @@ def test_refusals_install_nothing_and_leave_the_ledger(world, case, reason):
         generation = highest
     else:
         kw["tls"] = _other_cert_tls(world)
+    pins_before = world.node.refusal_log.snapshot()["totals"].get("pin", 0)
     res = world.send(src, generation, **kw)
     assert res["ack"] is None
     deadline = time.monotonic() + 10
-    while world.last_refusal()["reason"] != reason and time.monotonic() < deadline:
-        time.sleep(0.05)
-    last = world.last_refusal()
-    assert last["reason"] == reason, last
-    if reason != "pin":  # a begin that was parsed names its transfer and generation
+    if reason == "pin":
+        # refused in the TLS handshake: no receipt (a stranger must not write files), counted
+        # in the aggregated refusal log and the metrics by its category
+        while world.node.refusal_log.snapshot()["totals"].get("pin", 0) == pins_before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert world.node.refusal_log.snapshot()["totals"].get("pin", 0) == pins_before + 1
+    else:
+        while world.last_refusal()["reason"] != reason and time.monotonic() < deadline:
+            time.sleep(0.05)
+        last = world.last_refusal()
+        assert last["reason"] == reason, last
+        # a begin that was parsed names its transfer and generation
         assert last["transfer_id"] == res["transfer_id"] and last["generation"] == generation
     assert world.state() == before  # no session, no ledger change
 
@@ -278,3 +286,20 @@ def test_a_pin_refusal_reaches_the_request_with_the_receivers_category(engine, t
         assert err.value.category == "pin" and "accept deadline" in err.value.message
     finally:
         node.stop()
+
+
+def test_a_landing_session_is_named_but_locked_until_it_landed():
+    # the producer has its ACK before the landing (resident copy, store save) finishes: a
+    # request for the session must wait for it instead of decoding under the save
+    from kvpack.node.receiver import NamedSessions
+
+    sessions = NamedSessions(2)
+    held = sessions.put("t-1", object(), held=True)
+    _, lock = sessions.get("t-1")
+    assert lock is held and not lock.acquire(blocking=False)
+    held.release()
+    assert lock.acquire(blocking=False)
+    sessions.put("t-2", object())
+    sessions.put("t-3", object())
+    with pytest.raises(KvpackError):  # beyond the limit the least recently used goes
+        sessions.get("t-1")

@@ -16,7 +16,7 @@ import pytest
 
 from kvpack.engine.arrays import ArrayEngine, array_layout
 from kvpack.errors import EngineError, ProtocolError
-from kvpack.handoff.delta import ScheduleWitness, check_declared_schedule
+from kvpack.handoff.delta import ScheduleWitness, check_declared_schedule, layout_shapes
 from kvpack.handoff.schedule import MUSE, class_bytes, muse_schedule_span
 from kvpack.node.ladder import ResidentRadix, RowsSource, window_covers
 from kvpack.node.wire import TileGeometry, copy_prefix, pack_tile, scatter_tile, span_layout
@@ -99,6 +99,20 @@ def test_another_layout_or_dtype_is_a_layout_refusal_never_delta():
     witness = ScheduleWitness(f16_segments, "target")
     with pytest.raises(ProtocolError) as err:
         witness.observe(_Desc(f16_segments[0], logical_start=1))
+    assert err.value.category == "delta"
+
+
+def test_a_stripe_share_knows_every_shape_of_its_layout():
+    # stripe 1 of 4 of a Muse schedule: its share may not hold every group, but a segment of
+    # the layout that belongs to another stripe is a span-rule break (delta), not a layout
+    full = muse_schedule_span(1000, 0)
+    share = full[1::4]
+    missing = [s for s in full if (s.role, s.layer) not in {(x.role, x.layer) for x in share}]
+    assert missing  # the share lacks a group
+    assert len(layout_shapes(MUSE)) == 4  # three SWA groups + the NoPE group
+    witness = ScheduleWitness(share, "target", layout_shapes(MUSE))
+    with pytest.raises(ProtocolError) as err:
+        witness.observe(_Desc(missing[0]))
     assert err.value.category == "delta"
 
 

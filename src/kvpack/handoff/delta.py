@@ -76,7 +76,7 @@ def check_declared_schedule(manifest: BeginManifestV2, layout: SpanLayout, cut: 
     and sha are not compared because the schedule has none)."""
     expected = schedule_span(layout, manifest.position, cut)
     target = [d for d in manifest.segments if d.component_id == layout.component_id]
-    shapes = {segment_shape(e) for e in expected}
+    shapes = layout_shapes(layout)
     foreign = [d for d in target if descriptor_shape(d) not in shapes]
     if foreign:
         d = foreign[0]
@@ -107,6 +107,13 @@ def segment_shape(e: SpanSegment) -> SegmentShape:
     return (e.role, e.layer, e.element_type, e.elements_per_token)
 
 
+def layout_shapes(layout: SpanLayout) -> frozenset[SegmentShape]:
+    """Every segment shape ``layout`` can schedule, whatever the position, cut or stripe."""
+    return frozenset(
+        (c.role, g[0] if c.label_group_head else None, layout.element_type, layout.elements_per_token(g)) for c in layout.classes for g in c.groups()
+    )
+
+
 class ScheduleWitness:
     """Observed target segments versus the expected span schedule (the delta witness).
 
@@ -119,10 +126,11 @@ class ScheduleWitness:
     a known shape at the wrong rows, or in the wrong order, breaks the span rules: ``delta``.
     """
 
-    def __init__(self, expected: Sequence[SpanSegment], component_id: str) -> None:
+    def __init__(self, expected: Sequence[SpanSegment], component_id: str, shapes: Optional[frozenset[SegmentShape]] = None) -> None:
         self.expected = tuple(expected)
         self.component_id = component_id
-        self.shapes = frozenset(segment_shape(e) for e in self.expected)
+        #: the layout's shapes (:func:`layout_shapes`); a stripe's share may not show them all
+        self.shapes = shapes if shapes is not None else frozenset(segment_shape(e) for e in self.expected)
         self.observed: list[SegmentKey] = []
 
     def peek(self, d: SegmentDescriptorV2) -> None:

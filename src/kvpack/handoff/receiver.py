@@ -50,7 +50,7 @@ from typing import NoReturn, Optional, Protocol, Sequence, Union
 
 from ..errors import KvpackError, ProtocolError
 from .admission import AdmissionExpectations, check_admission, check_transfer_id
-from .delta import ScheduleWitness, check_declared_schedule, validate_prefix_cut
+from .delta import ScheduleWitness, check_declared_schedule, layout_shapes, validate_prefix_cut
 from .events import Abort, Ack, Begin, Frame, Seal, Segment
 from .frames import FrameDecoder, FrameLimits, frame_bytes
 from .hashing import INLINE
@@ -405,7 +405,7 @@ class Receiver:
             expected = schedule_span(cfg.layout, m.position, frame.prefix_cut)
             if cfg.stripe is not None:
                 expected = expected[cfg.stripe[0] :: cfg.stripe[1]]
-            self._witness = ScheduleWitness(expected, cfg.layout.component_id)
+            self._witness = ScheduleWitness(expected, cfg.layout.component_id, layout_shapes(cfg.layout))
             if not m.deferred_segments:
                 check_declared_schedule(m, cfg.layout, frame.prefix_cut)
         self.manifest = m

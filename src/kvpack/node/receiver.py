@@ -97,14 +97,20 @@ class NamedSessions:
         self._locks: dict[str, threading.Lock] = {}
         self._mutex = threading.Lock()
 
-    def put(self, name: str, session: Any) -> None:
+    def put(self, name: str, session: Any, *, held: bool = False) -> threading.Lock:
+        """Name ``session``; with ``held`` its lock is returned already taken, so a request
+        for it waits until the caller (the landing: resident copy, store save) releases it."""
+        lock = threading.Lock()
+        if held:
+            lock.acquire()
         with self._mutex:
             self._by_name.pop(name, None)
             self._by_name[name] = session
-            self._locks.setdefault(name, threading.Lock())
+            self._locks[name] = lock
             while len(self._by_name) > self.limit:
                 old, _ = self._by_name.popitem(last=False)
                 self._locks.pop(old, None)
+        return lock
 
     def get(self, name: str) -> tuple[Any, threading.Lock]:
         with self._mutex:
@@ -395,10 +401,15 @@ class ReceiverNode:
         """One authenticated data connection (a worker thread of the listener)."""
         t_conn = time.time_ns()
         link = self.link_for_pin(chan.peer.leaf_sha256)
+        end = self._first_frame_deadline(link)
         try:
-            raw, begin = first_frame(self, chan, self._first_frame_deadline(link))
+            raw, begin = first_frame(self, chan, end)
         except BaseException as exc:  # noqa: BLE001 - refused with a receipt
-            err = ProtocolError("aborted", f"read timed out: no begin before the accept deadline ({exc})") if isinstance(exc, TimeoutError) else exc
+            err = exc
+            # the TLS layer reports a peer silent since its handshake as a close: the truth is
+            # that no begin arrived before the deadline (errata M8: dropped without a word)
+            if isinstance(exc, TimeoutError) or time.monotonic() >= end:
+                err = ProtocolError("aborted", f"read timed out: no begin before the accept deadline ({exc})", remote=False)
             reason, detail = verdict_of(err)
             self.refuse(reason, detail, phase="begin", peer=chan.peer_address, peer_leaf_sha256=chan.peer.leaf_sha256, producer=link.name)
             self._tls_refused(reason, detail, chan.peer_address)
@@ -433,13 +444,12 @@ class ReceiverNode:
     def _first_frame_deadline(self, link: ProducerLink) -> float:
         """When the first frame must be in: ``first_frame_s``, but never past the latest
         accept deadline of the requests waiting for this producer (a begin after that could
-        not be admitted anyway); a solicited link with no waiting request gets its
-        ``wait_for_producer_ms`` (the begin will be refused, its receipt names it)."""
+        not be admitted anyway); an unsolicited link (C.15: a silent peer is dropped after
+        ``wait_for_producer_ms``, errata M8) or a solicited link with no waiting request gets
+        its ``wait_for_producer_ms`` (the begin will be refused, its receipt names it)."""
         now = time.monotonic()
         cap = now + self.first_frame_s
-        if link.unsolicited:
-            return cap
-        waiting = [p.deadline for p in self.router.open() if p.link is link]
+        waiting = [] if link.unsolicited else [p.deadline for p in self.router.open() if p.link is link]
         if not waiting:
             return min(cap, now + link.config.wait_for_producer_ms / 1000.0)
         return min(cap, max(waiting))
@@ -482,17 +492,22 @@ class ReceiverNode:
         """A committed unsolicited transfer: name its session, remember its rows (resident),
         save it as a prefix cut (store), then publish the receipt saying where it landed."""
         name = str(info["transfer_id"])
-        self.sessions.put(name, session)
+        # named at once (the producer already has its ACK and may ask for it), but locked
+        # until the rows are copied and saved: a decode must not move the session under them
+        lock = self.sessions.put(name, session, held=True)
         info["session"] = name
         t0 = time.perf_counter()
-        if self._fits_resident(session.position):
-            self.resident.insert(self.ladder.identity, RowsSource.capture(session, session.position))
-        if self.store is not None:
-            try:
-                rep = self.store.save(session, prefix_only=True)
-                info["saved"] = {"manifest_id": rep.manifest_id, "cut": rep.cut, "kind": rep.kind, "prefix_only": True}
-            except KvpackError as exc:  # the transfer committed; a full disk degrades only this save
-                info["saved"] = {"error": f"{exc.category}: {exc.message}"[:500]}
+        try:
+            if self._fits_resident(session.position):
+                self.resident.insert(self.ladder.identity, RowsSource.capture(session, session.position))
+            if self.store is not None:
+                try:
+                    rep = self.store.save(session, prefix_only=True)
+                    info["saved"] = {"manifest_id": rep.manifest_id, "cut": rep.cut, "kind": rep.kind, "prefix_only": True}
+                except KvpackError as exc:  # the transfer committed; a full disk degrades only this save
+                    info["saved"] = {"error": f"{exc.category}: {exc.message}"[:500]}
+        finally:
+            lock.release()
         info["landing_s"] = round(time.perf_counter() - t0, 6)
         info["receipt_path"] = self.receipts.write(info)
 
