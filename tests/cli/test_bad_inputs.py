@@ -416,6 +416,12 @@ RUNTIME_CASES = [
     _c("request --max-new-tokens -1", ["request", "--socket", "{stale_sock}", "--prompt", "hi", "--max-new-tokens", "-1"], 2, "usage", issue=True),
     # options another option would make the command ignore
     _c("receiver --no-store with --store", ["receiver", "--config", "{rcfg}", "--engine", ENGINE, "--no-store", "--store", "{root}/st-ignored"], 2, "usage"),
+    _c(
+        "receive --no-store with --store",
+        ["receive", "--once", "--config", "{rcfg}", "--engine", ENGINE, "--no-store", "--store", "{root}/st-ignored"],
+        2,
+        "usage",
+    ),
     _c("producer --no-metrics with --metrics-port", ["producer", "--config", "{pcfg}", "--engine", ENGINE, "--no-metrics", "--metrics-port", "0"], 2, "usage"),
     _c("receiver --no-metrics with --metrics-tls", ["receiver", "--config", "{rcfg}", "--engine", ENGINE, "--no-metrics", "--metrics-tls"], 2, "usage"),
     _c("receiver --no-metrics with --cluster-dir", ["receiver", "--config", "{rcfg}", "--no-metrics", "--cluster-dir", "{cluster}"], 2, "usage"),

@@ -134,6 +134,8 @@ def cmd_receive(args: argparse.Namespace) -> int:
     from ..node.receiver import ReceiverNode
     from ..security.config import load_receiver_config
 
+    if args.no_store:
+        refuse_ignored([("--store", args.store is not None)], because="--no-store")
     cfg = load_receiver_config(args.config)
     if cfg.producer_control is not None:
         raise SecurityError("config", f"{cfg.path}: kvpack receive takes a receiver config without producer_control (unsolicited mode)")
