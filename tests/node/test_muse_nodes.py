@@ -41,6 +41,9 @@ from .test_unsolicited import producer_tls, unsolicited_config  # noqa: E402
 
 ENGINE = ["--engine", "muse-tiny", "--threads", "1"]
 pytestmark = pytest.mark.slow
+#: the suite shares a loaded 2-core host: the ledger-volume gate (100 ms worst reservation)
+#: is a deployment check, not what these tests are about
+LEDGER_GATE = ["--ledger-max-tail-ms", "5000"]
 
 
 def tokens(n: int, seed: int) -> list[int]:
@@ -81,7 +84,18 @@ def test_daemons_full_above_the_window_then_delta_bit_exact(muse, cluster):
     proxy = Proxy(enrolled.ports["decode-a"])  # the producer's data connection goes through it
     producer = Daemon(["producer", "--config", enrolled.producer_config_path(), *ENGINE, "--no-store"])
     receiver = Daemon(
-        ["receiver", "--config", enrolled.receiver_config_path("decode-a"), *ENGINE, "--socket", sock, "--no-store", "--advertise-port", str(proxy.port)]
+        [
+            "receiver",
+            "--config",
+            enrolled.receiver_config_path("decode-a"),
+            *ENGINE,
+            "--socket",
+            sock,
+            "--no-store",
+            "--advertise-port",
+            str(proxy.port),
+            *LEDGER_GATE,
+        ]
     )
     try:
         p1 = tokens(2561, seed=1)  # position 2560: above the window, 256-aligned
@@ -160,7 +174,7 @@ def test_partc_producer_lands_at_an_unsolicited_receiver_and_is_refused_when_wro
     u = _Unsolicited(enrolled, "decode-b")
     sock = short_socket("b.sock")
     rdir = str(root / "b-receipts")
-    receiver = Daemon(["receiver", "--config", u.config, *ENGINE, "--socket", sock, "--store", str(root / "b-store"), "--receipts", rdir])
+    receiver = Daemon(["receiver", "--config", u.config, *ENGINE, "--socket", sock, "--store", str(root / "b-store"), "--receipts", rdir, *LEDGER_GATE])
     try:
         prompts = {True: tokens(700, seed=3), False: tokens(900, seed=4)}
         sources = {}
@@ -239,7 +253,7 @@ def test_receive_once_prints_the_receipt_of_one_transfer(muse, cluster):
     enrolled, root = cluster
     u = _Unsolicited(enrolled, "decode-c")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvpack.cli", "receive", "--once", "--config", u.config, *ENGINE, "--no-store", "--json", "--timeout", "300"],
+        [sys.executable, "-m", "kvpack.cli", "receive", "--once", "--config", u.config, *ENGINE, "--no-store", "--json", "--timeout", "300", *LEDGER_GATE],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -116,6 +116,15 @@ class World:
     def state(self):
         return (json.dumps(self.node.sessions.names()), json.dumps(self.node.ledger.snapshot(), sort_keys=True))
 
+    def landed(self, transfer_id: str):
+        """The outcome of ``transfer_id`` (admitted transfers that were then refused queue
+        their outcomes too, and earlier tests leave theirs unread)."""
+        deadline = time.monotonic() + 30
+        while True:
+            out = self.node.landed.get(timeout=max(0.1, deadline - time.monotonic()))
+            if out.info.get("transfer_id") == transfer_id:
+                return out
+
     def last_refusal(self):
         return [r for r in receipts(self.rdir) if r["verdict"] == "refused"][-1]
 
@@ -146,7 +155,7 @@ def test_transfers_land_in_named_sessions_and_decode_bit_exact(world, deferred, 
     res = world.send(world.source(tokens), generation, deferred=deferred)
     assert res["ack"] is not None, res
     name = res["transfer_id"]
-    out = world.node.landed.get(timeout=10)
+    out = world.landed(name)
     assert out.error is None and out.info["session"] == name and out.info["mode"] == "unsolicited"
     assert out.info["payload_bytes"] == res["payload_bytes"] == world.node.geometry.payload_bytes(length - 1)
     assert out.info["saved"]["prefix_only"] is True and out.info["saved"]["cut"] == length - 1
@@ -176,8 +185,9 @@ def test_refusals_install_nothing_and_leave_the_ledger(world, case, reason):
     tokens = prompt(400, seed=77)
     src = world.source(tokens)
     if not world.node.ledger.snapshot():  # a committed generation for the replay case to replay
-        assert world.send(src, 5)["ack"] is not None
-        world.node.landed.get(timeout=10)
+        sent = world.send(src, 5)
+        assert sent["ack"] is not None
+        world.landed(sent["transfer_id"])
     before = world.state()
     highest = max(world.node.ledger.snapshot().values())
     kw: dict = {}
@@ -235,8 +245,9 @@ def test_no_begin_and_malformed_begin_are_dropped_and_the_node_keeps_serving(wor
     assert world.state() == before
     tokens = prompt(300, seed=9)
     highest = max(world.node.ledger.snapshot().values(), default=0)
-    assert world.send(world.source(tokens), highest + 1)["ack"] is not None
-    world.node.landed.get(timeout=10)
+    sent = world.send(world.source(tokens), highest + 1)
+    assert sent["ack"] is not None
+    world.landed(sent["transfer_id"])
 
 
 @pytest.mark.parametrize("deferred", [True, False], ids=["deferred", "declared"])
@@ -303,3 +314,20 @@ def test_a_landing_session_is_named_but_locked_until_it_landed():
     sessions.put("t-3", object())
     with pytest.raises(KvpackError):  # beyond the limit the least recently used goes
         sessions.get("t-1")
+
+
+def test_the_ledger_volume_gate_is_the_operators(engine, tmp_path):
+    # kvpack receiver --ledger-max-tail-ms: a gate no volume can pass refuses at bind (before
+    # any engine), releasing what it took; a generous one binds the same config
+    from kvpack.errors import SecurityError
+
+    enrolled = Enrolled(str(tmp_path / "cluster"), engine, producers=("prefill-a",))
+    strict = ReceiverNode(enrolled.receiver_config(), None, receipts_dir=str(tmp_path / "r"), metrics_port=None, ledger_max_tail_ms=1e-6)
+    with pytest.raises(SecurityError) as err:
+        strict.bind()
+    assert err.value.category == "volume" and "limit 1e-06 ms" in err.value.message
+    generous = ReceiverNode(enrolled.receiver_config(), None, receipts_dir=str(tmp_path / "r"), metrics_port=None, ledger_max_tail_ms=60_000)
+    try:
+        assert generous.bind().probe is not None
+    finally:
+        generous.stop()

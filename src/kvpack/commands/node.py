@@ -105,6 +105,7 @@ def cmd_receiver(args: argparse.Namespace) -> int:
         limits=_limits(args),
         api_limits=ApiLimits(max_request_bytes=args.max_request_bytes, max_new_tokens=args.max_new_tokens_limit),
         slot_wait_s=args.slot_wait,
+        ledger_max_tail_ms=args.ledger_max_tail_ms,
     )
     _prepare_metrics(node, metrics_host, metrics_tls, args)
     _bind(node)
@@ -141,7 +142,15 @@ def cmd_receive(args: argparse.Namespace) -> int:
         raise SecurityError("config", f"{cfg.path}: kvpack receive takes a receiver config without producer_control (unsolicited mode)")
     base = os.path.dirname(cfg.path)
     store = None if args.no_store else _store(args.store, os.path.join(base, "state", "store"))
-    node = ReceiverNode(cfg, None, receipts_dir=args.receipts or os.path.join(base, "receipts"), store=store, metrics_port=None, socket_path=None)
+    node = ReceiverNode(
+        cfg,
+        None,
+        receipts_dir=args.receipts or os.path.join(base, "receipts"),
+        store=store,
+        metrics_port=None,
+        socket_path=None,
+        ledger_max_tail_ms=args.ledger_max_tail_ms,
+    )
     _bind(node)  # fail fast: ledger lock, volume probe and data port before the model loads
     _start(node, _engine(args))
     try:
@@ -414,6 +423,11 @@ def register(sub) -> None:
     p.add_argument("--store", type=not_a_file, help="pack store directory for the received prefix cut (default: <config dir>/state/store, created)")
     p.add_argument("--no-store", action="store_true", help="no durable tier")
     p.add_argument("--receipts", type=not_a_file, help="receipt directory (default: <config dir>/receipts)")
+    p.add_argument(
+        "--ledger-max-tail-ms",
+        type=positive_float,
+        help="refuse to start when the worst of 20 ledger reservations on the ledger's volume exceeds this (default: 100)",
+    )
     p.add_argument("--once", action="store_true", required=True, help="receive one transfer and exit (the long-running form is kvpack receiver)")
     p.add_argument("--timeout", type=duration, default=900.0, help="seconds to wait for an admitted transfer")
     p.set_defaults(func=cmd_receive)

@@ -62,7 +62,7 @@ from ..handoff.control import MAX_PROMPT_TOKENS, ControlRequestV1
 from ..handoff.delta import ReuseAction
 from ..security.config import ReceiverConfig
 from ..security.ledger import ReplayLedger
-from ..security.probe import ProbeResult, check_ledger_volume
+from ..security.probe import PROBE_MAX_TAIL_MS, ProbeResult, check_ledger_volume
 from ..security.tls import DATA_ALPN, TlsEndpoint, client_context, server_context
 from ..vocab import is_token_aligned
 from .common import greedy, hash_workers, logits_bytes, now_ms, verdict_of
@@ -190,6 +190,7 @@ class ReceiverNode:
         slot_wait_s: float = 60.0,
         max_sessions: int = 8,
         unsolicited_slots: int = 2,
+        ledger_max_tail_ms: Optional[float] = None,
     ) -> None:
         self.configs: list[ReceiverConfig] = [config] if isinstance(config, ReceiverConfig) else list(config)
         if not self.configs:
@@ -206,6 +207,8 @@ class ReceiverNode:
         self._advertised_port = advertised_port
         self.committed_wait_s = committed_wait_s
         self._check_volume = check_volume
+        #: the ledger-volume gate (None: the probe's default, 100 ms)
+        self._ledger_max_tail_ms = ledger_max_tail_ms
         self.socket_path = socket_path
         self.resident = ResidentRadix(resident_bytes)
         self.decode_slot_count = max(1, decode_slots)
@@ -262,7 +265,8 @@ class ReceiverNode:
         probe = None
         if self._check_volume:
             os.makedirs(os.path.dirname(cfg.replay_ledger), mode=0o700, exist_ok=True)
-            probe = check_ledger_volume(cfg.replay_ledger)  # refuses a slow volume (C.9)
+            gate = PROBE_MAX_TAIL_MS if self._ledger_max_tail_ms is None else self._ledger_max_tail_ms
+            probe = check_ledger_volume(cfg.replay_ledger, max_tail_ms=gate)  # refuses a slow volume (C.9)
         # concurrent requests and stripes of one producer reserve out of generation order
         ledger = ReplayLedger.open(cfg.replay_ledger, minimum_epoch=cfg.minimum_hmac_epoch, strict=False)
         try:
@@ -428,7 +432,7 @@ class ReceiverNode:
                 raise ProtocolError("identity", f"transfer {m.transfer_id} is stripe {stripe[0]} of {stripe[1]}; the request allows {pending.stripes}")
             run = InboundRun(self, chan, pending, stripe, raw, t_conn)
         except KvpackError as exc:
-            self.refuse(exc.category, exc.message, phase="begin", peer=chan.peer_address, transfer_id=m.transfer_id)
+            self.refuse(exc.category, exc.message, phase="begin", peer=chan.peer_address, transfer_id=m.transfer_id, generation=m.generation)
             pending.refusals.append((exc.category, exc.message))
             return
         out = run.run()
