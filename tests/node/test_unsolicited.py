@@ -331,3 +331,40 @@ def test_the_ledger_volume_gate_is_the_operators(engine, tmp_path):
         assert generous.bind().probe is not None
     finally:
         generous.stop()
+
+
+def test_a_begin_beyond_the_unsolicited_slots_is_refused_busy_with_its_names(world):
+    # two admitted transfers that stall hold both unsolicited slots (each holds a whole
+    # detached install); a third begin waits wait_for_producer_ms for a slot, then is refused
+    # 'aborted' (busy) naming its transfer id and generation; nothing lands, the ledger is
+    # unchanged; once the stalled peers go, the slots serve again
+    before = world.state()
+    tokens = prompt(300, seed=21)
+    highest = max(world.node.ledger.snapshot().values(), default=0)
+
+    def begin(generation: int):
+        tid = hashlib.sha256(f"busy-{generation}-{time.time_ns()}".encode()).hexdigest()
+        m = pc.begin_manifest(tid, generation, world.identity, world.target, tokens[:-1], world.key_id, world.epoch, None)
+        chan = pc.connect("127.0.0.1", world.node.data_port, world.tls)
+        chan.sendall(pc.frame({"kind": "begin", "manifest": m}))
+        return chan, tid
+
+    stalled = [begin(highest + 1), begin(highest + 2)]
+    try:
+        time.sleep(0.5)  # both admitted and waiting for segments
+        third, tid = begin(highest + 3)
+        third.settimeout(15)
+        assert third.recv(1) == b""  # dropped without a word after the slot wait (2 s)
+        third.close()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not [r for r in receipts(world.rdir) if r.get("transfer_id") == tid]:
+            time.sleep(0.05)
+        (refused,) = [r for r in receipts(world.rdir) if r.get("transfer_id") == tid]
+        assert refused["reason"] == "aborted" and "busy" in refused["detail"] and refused["generation"] == highest + 3
+    finally:
+        for chan, _ in stalled:
+            chan.close()
+    assert world.state() == before
+    sent = world.send(world.source(tokens), highest + 4)
+    assert sent["ack"] is not None
+    world.landed(sent["transfer_id"])

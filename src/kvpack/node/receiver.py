@@ -419,7 +419,7 @@ class ReceiverNode:
             self._tls_refused(reason, detail, chan.peer_address)
             return
         if link.unsolicited:
-            self._serve_unsolicited(chan, link, raw, t_conn)
+            self._serve_unsolicited(chan, link, raw, begin, t_conn)
             return
         m = begin.manifest
         pending = self.router.route(m.transfer_id, m.prompt_token_ids, link)
@@ -470,12 +470,21 @@ class ReceiverNode:
             if len(p.refusals) < 64:
                 p.refusals.append((reason, detail))
 
-    def _serve_unsolicited(self, chan, link: ProducerLink, raw: bytes, t_conn: int) -> None:
+    def _serve_unsolicited(self, chan, link: ProducerLink, raw: bytes, begin, t_conn: int) -> None:
         """C.15 without producer_control: admit any pinned producer's transfer (errata M8)."""
         assert self.engine is not None
         deadline = time.monotonic() + link.config.wait_for_producer_ms / 1000.0
         if not self._unsolicited_slots.acquire(timeout=max(0.0, deadline - time.monotonic())):
-            self.refuse("aborted", "receiver busy: every unsolicited slot holds a transfer", phase="begin", peer=chan.peer_address)
+            m = begin.manifest
+            self.refuse(
+                "aborted",
+                "receiver busy: every unsolicited slot holds a transfer",
+                phase="begin",
+                peer=chan.peer_address,
+                producer=link.name,
+                transfer_id=m.transfer_id,
+                generation=m.generation,
+            )
             return
         try:
             session = self.engine.new_session()
