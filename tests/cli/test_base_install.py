@@ -53,6 +53,7 @@ COMMANDS: dict[tuple[str, ...], tuple[list[str], int]] = {
     ("demo",): ([], 3),
     ("receiver",): (["--config", "{w}/host.pub"], 3),
     ("producer",): (["--config", "{w}/host.pub"], 3),
+    ("receive",): (["--once", "--config", "{w}/host.pub"], 3),
     ("request",): (["--socket", "{w}/r.sock", "--prompt", "hi"], 3),
     ("decode-node-api",): (["--config", "{w}/host.pub"], 3),
     ("migrate",): (["s1", "--to", "local", "--mode", "copy", "--config", "{w}/host.pub"], 3),

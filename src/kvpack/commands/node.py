@@ -430,7 +430,7 @@ def register(sub) -> None:
     )
     p.add_argument("--once", action="store_true", required=True, help="receive one transfer and exit (the long-running form is kvpack receiver)")
     p.add_argument("--timeout", type=duration, default=900.0, help="seconds to wait for an admitted transfer")
-    p.set_defaults(func=cmd_receive)
+    p.set_defaults(func=cmd_receive, extras=("node",))
 
 
 def _tokens_file(text: str) -> str:
