@@ -78,9 +78,11 @@ def test_peer_stalling_mid_segment_is_cut_off_by_timeout_ms(nodes):  # noqa: F81
 def test_peer_stalling_before_admission_is_cut_off_by_the_accept_deadline(nodes):  # noqa: F811
     n = nodes()
     ep = n.pcfg.data_endpoint("decode-a")
+    # the accept deadline runs from expect(): time from there (a handshake slowed by a
+    # loaded machine must not make the refusal look early)
+    t0 = time.monotonic()
     pending = n.receiver.expect("muser-1-7", PROMPT, wait_s=1.0)
     ch = connect(ep, "127.0.0.1", n.receiver.data_port)
-    t0 = time.monotonic()
     try:
         ch.sendall(b"KVPKV2\0\0\x10\0")  # half a preamble, then silence
         with pytest.raises(ProtocolError) as info:
