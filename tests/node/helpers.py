@@ -119,6 +119,9 @@ class Proxy:
             t.join(timeout=2)
 
 
+LOOSE_LEDGER_GATE_MS = "5000"
+
+
 class Daemon:
     """A ``kvpack receiver|producer`` subprocess; waits for its ready line."""
 
@@ -127,6 +130,11 @@ class Daemon:
 
         # stderr (JSON log lines) goes to a file: an undrained pipe would fill up and block
         # the daemon's logging threads
+        if args and args[0] in ("receiver", "receive") and "--ledger-max-tail-ms" not in args:
+            # The start-up volume probe (C.9) is tested on its own (tests/security/test_probe.py,
+            # test_unsolicited's gate); a daemon test is about the node, and a shared CI host's
+            # disk may stall past 100 ms while other tests load models.
+            args = [*args, "--ledger-max-tail-ms", LOOSE_LEDGER_GATE_MS]
         self.stderr_file = tempfile.NamedTemporaryFile(prefix="kvpack-daemon-", suffix=".log", delete=False)
         self.proc = subprocess.Popen([sys.executable, "-m", "kvpack.cli", *args], stdout=subprocess.PIPE, stderr=self.stderr_file, text=True)
         self.ready: dict | None = None
