@@ -283,12 +283,25 @@ def gc(store: PackStore) -> dict:
     env = store.env
     with env.lease(GC):
         started = env.now()
-        live_packs, live_chunks = _mark(store, removed)
+        live_packs: set[str] = set()
+        live_chunks: set[str] = set()
+        marked: set[tuple[bytes, bytes]] = set()
+        _mark(store, removed, marked, live_packs, live_chunks)
         for mid_hex in env.protected():
             try:
                 _add_chain(store, bytes.fromhex(mid_hex), live_packs, live_chunks)
             except (ValueError, StoreError):
                 continue  # a protected cut that does not load protects nothing
+        if env.gc_grace_s:
+            # A delta committed after the listing above may build on a parent no entry seen
+            # there names (forgotten meanwhile), and its publisher may have released the lease
+            # protecting that parent before the leases were read: the parent's objects are old,
+            # so neither rule keeps them. Entries written up to now are marked again here, after
+            # the leases were read: a publisher whose lease was not seen either committed before
+            # that (its entry is listed now) or protected and confirmed its parent afterwards
+            # (then the parent was indexed during this listing, or republished -- young -- since
+            # the first one).
+            _mark(store, removed, marked, live_packs, live_chunks)
         for prefix, live, suffix, label in (
             ("chunks/", live_chunks, ".kvchk", "chunks"),
             ("packs/", live_packs, ".kvpkp", "packs"),
@@ -299,10 +312,13 @@ def gc(store: PackStore) -> dict:
     return removed
 
 
-def _mark(store: PackStore, removed: dict) -> tuple[set[str], set[str]]:
-    live_packs: set[str] = set()
-    live_chunks: set[str] = set()
+def _mark(store: PackStore, removed: dict, marked: set[tuple[bytes, bytes]], live_packs: set[str], live_chunks: set[str]) -> None:
+    """Add the chains of every index entry not in ``marked`` to the live sets (and to
+    ``marked``); quarantine entries whose cut cannot be loaded."""
     for node, mid in index_entries(store):
+        if (node, mid) in marked:
+            continue
+        marked.add((node, mid))
         try:
             _add_chain(store, mid, live_packs, live_chunks)
         except StoreError as exc:
@@ -314,7 +330,6 @@ def _mark(store: PackStore, removed: dict) -> tuple[set[str], set[str]]:
             quarantine(store, node, mid, [problem], by="gc")
             removed["index"] += 1
             removed["quarantined"] += 1
-    return live_packs, live_chunks
 
 
 def _add_chain(store: PackStore, mid: bytes, live_packs: set[str], live_chunks: set[str]) -> None:
