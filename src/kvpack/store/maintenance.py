@@ -339,6 +339,16 @@ def _add_chain(store: PackStore, mid: bytes, live_packs: set[str], live_chunks: 
             live_chunks.add(ref.content_id.hex())
 
 
+def _still_old(env: Any, name: str, started: float, grace: float) -> bool:
+    """Whether ``name`` is still older than the grace period right before gc deletes it. A
+    publisher reusing an old unreferenced chunk rewrites it (publish._refresh_if_old) and may
+    commit a cut naming it while gc works through a listing taken before that rewrite; the
+    listing's time is stale by then. (What remains is the round trip between this check and
+    the delete: a rewrite landing exactly there is not seen.)"""
+    info = env.stat(name)
+    return info is not None and started - info.mtime > grace
+
+
 def _sweep(store: PackStore, prefix: str, live: set[str], suffix: str, label: str, started: float, removed: dict) -> None:
     env = store.env
     grace = env.gc_grace_s
@@ -352,6 +362,8 @@ def _sweep(store: PackStore, prefix: str, live: set[str], suffix: str, label: st
             kind = label
         else:
             continue
+        if grace and not _still_old(env, info.name, started, grace):
+            continue  # rewritten since the listing: a publisher reused it (or it is gone)
         if env.delete(info.name, batch=True):
             removed["bytes"] += info.size
             removed[kind] += 1

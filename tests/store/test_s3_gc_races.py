@@ -1,11 +1,14 @@
-"""gc on S3 beside a publisher whose delta parent is forgotten while it publishes.
+"""gc on S3 beside publishers, with the interleavings forced (no reliance on load).
 
-The publisher protects its parent with a lease, but releases the lease as soon as its index
+* A delta whose parent is forgotten while it publishes: the publisher protects its parent with a lease, but releases the lease as soon as its index
 entry is written. If that entry is written after gc listed the index and the lease is gone
 before gc reads the leases, neither rule of docs/store.md "gc and leases" keeps the parent:
 its pack and chunks are old, no index entry gc saw names them, no lease it read protects
-them. The interleaving is forced here (no reliance on load): the commit waits until gc has
-marked, and gc reads the leases only after the publisher is done.
+them. Here the commit waits until gc has marked, and gc reads the leases only after the
+  publisher is done.
+* A forgotten cut republished while gc sweeps: the publisher rewrites the old chunks it reuses
+  (so they are young), but gc deletes from a listing taken before that rewrite unless it
+  checks each object's age again right before deleting it.
 """
 
 from __future__ import annotations
@@ -71,3 +74,38 @@ def test_gc_keeps_the_forgotten_parent_of_a_delta_committed_during_its_mark(tmp_
     store.gc()  # a later gc keeps the whole chain too (and quarantines nothing)
     assert store.verify(read_data=True)["ok"]
     assert store.find_deepest(tokens, eng.layout, eng.ids()).cut == 900
+
+
+def test_gc_keeps_old_chunks_a_publisher_reuses_after_gc_listed_them(tmp_path, seaweed, monkeypatch):
+    grace = 2.0
+    store = S3Backend(seaweed, gc_grace_s=grace).new(tmp_path, name="reuse-race")
+    eng = engine()
+    tokens = TOKENS[:768]
+    session_with(eng, tokens, store)
+    cut = store.find_deepest(tokens, eng.layout, eng.ids())
+    assert cut is not None and cut.cut == 768
+    store.forget(cut.manifest_id)  # its own chunks (tokens 512..768) are now garbage
+    time.sleep(grace + 1.0)  # ... and older than the grace period
+
+    real_list = store.env.list
+    republished: list = []
+
+    def republish_after_gc_listed_the_chunks(prefix):
+        listing = list(real_list(prefix))
+        if prefix == "chunks/" and not republished:
+            # the cut is saved again: its old chunks are reused (and rewritten: young again)
+            republished.append(session_with(eng, tokens, store))
+        return iter(listing)
+
+    monkeypatch.setattr(store.env, "list", republish_after_gc_listed_the_chunks)
+    store.gc()
+    monkeypatch.undo()
+    assert republished
+
+    hit = store.find_deepest(tokens, eng.layout, eng.ids())
+    assert hit is not None and hit.cut == 768
+    report = store.verify(read_data=True)
+    assert report["ok"], report["problems"][:5]
+    live = eng.new_session()
+    store.restore(hit, live, tokens)
+    assert live.cache_digest() == republished[0].cache_digest()
