@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import queue
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -22,9 +24,11 @@ PUBLISHER = textwrap.dedent(
     eng = engine()
     print("ready", flush=True)
     for k in range({rounds}):
+        sys.stdin.readline()  # the test's go: its gc is running while this round publishes
         tokens = [(t + k) % 64 for t in TOKENS]
         s = eng.new_session()
         s.prefill(tokens, chunk_size=256, on_chunk=lambda ss: store.save(ss))
+        print("round", k, flush=True)
     print("done", flush=True)
     """
 )
@@ -40,23 +44,38 @@ def test_gc_racing_a_publisher_process(tmp_path):
     rounds = 12
     proc = subprocess.Popen(
         [sys.executable, "-c", PUBLISHER.format(tests=tests_dir, path=store.path, rounds=rounds)],
+        stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
     assert proc.stdout.readline().strip() == "ready"
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
     collections = 0
-    while proc.poll() is None:
-        for name in os.listdir(os.path.join(store.path, "index")):
-            if collections % 3 == 0:
-                # drop an index entry now and then so gc has live garbage to remove
-                os.unlink(os.path.join(store.path, "index", name))
+    deadline = time.monotonic() + 600
+    # Rounds are paced by the test so that gc runs at least once while each round publishes,
+    # however fast or slow either side is on the machine at hand.
+    for _ in range(rounds):
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        while True:
+            for name in os.listdir(os.path.join(store.path, "index")):
+                if collections % 3 == 0:
+                    # drop an index entry now and then so gc has live garbage to remove
+                    os.unlink(os.path.join(store.path, "index", name))
+                    break
+            store.gc()
+            collections += 1
+            try:
+                lines.get(timeout=0.01)
                 break
-        store.gc()
-        collections += 1
-        time.sleep(0.01)
+            except queue.Empty:
+                assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+    proc.stdin.close()
+    proc.wait(timeout=120)
     assert proc.returncode == 0, proc.stderr.read()
-    assert collections >= 5
+    assert collections >= rounds
     report = store.verify(read_data=True)
     assert report["ok"], report["problems"]
     # every cut the publisher left indexed restores bit-exactly
