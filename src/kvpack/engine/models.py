@@ -67,6 +67,24 @@ class LoadedModel:
 # digests
 
 
+def config_floats(prefix: str, obj: Any, out: dict[str, float]) -> None:
+    """Collect every float of a nested config into ``out``, keyed by dotted path.
+
+    The engine identity's ``scalars`` are these: the transformers adapter and the vLLM
+    connector must derive them the same way, or one model would have two identities.
+    """
+    if isinstance(obj, bool):
+        return
+    if isinstance(obj, float):
+        out[prefix] = obj
+    elif isinstance(obj, dict):
+        for k in sorted(obj):
+            config_floats(f"{prefix}.{k}", obj[k], out)
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            config_floats(f"{prefix}[{i}]", v, out)
+
+
 def canonical_config(config: Any) -> dict[str, Any]:
     """The model config as plain data, without provenance-only keys.
 

@@ -45,7 +45,7 @@ from .contract import (
 )
 from ..vocab import TOKEN_ALIGN
 from .lazy_torch import load_torch as _torch
-from .models import LoadedModel, canonical_config
+from .models import LoadedModel, canonical_config, config_floats
 
 ADAPTER_NAME = "kvpack.engine.transformers_adapter"
 ADAPTER_VERSION = 1
@@ -67,20 +67,6 @@ def _wire_dtype(dtype: Any) -> str:
     if name not in _TORCH_TO_WIRE:
         raise EngineError("unsupported", f"cache dtype {name} has no production-v1 wire value")
     return _TORCH_TO_WIRE[name]
-
-
-def _floats(prefix: str, obj: Any, out: dict[str, float]) -> None:
-    """Collect every float in a nested config, keyed by dotted path."""
-    if isinstance(obj, bool):
-        return
-    if isinstance(obj, float):
-        out[prefix] = obj
-    elif isinstance(obj, dict):
-        for k in sorted(obj):
-            _floats(f"{prefix}.{k}", obj[k], out)
-    elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            _floats(f"{prefix}[{i}]", v, out)
 
 
 class TransformersEngine:
@@ -216,7 +202,7 @@ class TransformersEngine:
         (the seed's K4 caught two such regressions).
         """
         out: dict[str, float] = {}
-        _floats("config", canonical_config(self.config), out)
+        config_floats("config", canonical_config(self.config), out)
         base = getattr(self.model, "model", self.model)
         for i, layer in enumerate(getattr(base, "layers", [])):
             attn = getattr(layer, "self_attn", None)

@@ -32,7 +32,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ...engine.contract import LAYER_FULL, CacheLayout, EngineIdentity, LayerSpec
-from ...engine.models import canonical_config, tokenizer_digests
+from ...engine.models import canonical_config, config_floats, tokenizer_digests
 from ...errors import EngineError
 from .paged import BLOCK_INTERIOR
 
@@ -43,20 +43,6 @@ CONNECTOR_VERSION = 1
 VERIFIED_ISAS = frozenset({"vec", "vec16"})
 _FAMILIES_ALL_FULL_ROPE = frozenset({"llama", "mistral", "qwen2"})
 _TORCH_TO_WIRE = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
-
-
-def _floats(prefix: str, obj: Any, out: dict[str, float]) -> None:
-    """Every float of a nested config by dotted path (as the transformers adapter does)."""
-    if isinstance(obj, bool):
-        return
-    if isinstance(obj, float):
-        out[prefix] = obj
-    elif isinstance(obj, dict):
-        for k in sorted(obj):
-            _floats(f"{prefix}.{k}", obj[k], out)
-    elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            _floats(f"{prefix}[{i}]", v, out)
 
 
 def weight_files_digest(model_dir: str) -> tuple[str, str]:
@@ -181,7 +167,7 @@ def vllm_identity(vllm_config: Any) -> EngineIdentity:
     tok_digest, tpl_digest = _tokenizer_digests(mc.tokenizer or mc.model, int(hf_config.vocab_size))
     config = canonical_config(hf_config)
     scalars: dict[str, float] = {}
-    _floats("config", config, scalars)
+    config_floats("config", config, scalars)
     quant = getattr(mc, "quantization", None)
     engine_abi = {
         "engine": "vllm",
