@@ -42,13 +42,13 @@ MAX_STRIPES = 16
 MAX_REQUEST_BYTES = MAX_PROMPT_TOKENS * 11 + (16 << 10)
 #: responses carry no token ids: a few KiB at most
 MAX_RESPONSE_BYTES = 64 << 10
-_ECHO_ID = re.compile(r"[A-Za-z0-9_.\-]{1,100}\Z")
+_ECHO_ID = re.compile(r"[A-Za-z0-9_.\-]{1,100}")
 
 
 def echo_id(value: Any) -> str:
     """The request id a ``failed`` answer may echo: the requester's id only when it is a valid
     C.14 id (1..100 of ``[A-Za-z0-9-_.]``), else ``"unknown"`` -- never 64 MiB of anything."""
-    return value if isinstance(value, str) and value.isascii() and _ECHO_ID.match(value) else "unknown"
+    return value if isinstance(value, str) and value.isascii() and _ECHO_ID.fullmatch(value) else "unknown"
 
 
 def split_extensions(raw: Any, accepted: tuple[str, ...]) -> tuple[Any, dict[str, int]]:

@@ -240,8 +240,13 @@ Handler = Callable[[dict, CancelToken], dict]
 class _Watcher:
     """One thread polling every in-flight client socket; a hang-up cancels its token.
 
-    The selector is only touched under one lock (select runs with a 50 ms timeout), so a
-    request registers within 50 ms and a hang-up is seen within about 50 ms."""
+    ``select`` runs *outside* the lock (epoll takes registrations from other threads while
+    it waits): holding the lock across a 50 ms select, and taking it again at once, starved
+    :meth:`watch` and :meth:`unwatch` -- a request waited for it behind the watcher for
+    seconds on a many-core host (issue 14: 20 s p50 for one session). Events are acted on
+    under the lock and only for a socket still registered with the same token, so once
+    :meth:`unwatch` returned the watcher never reads that socket again (its descriptor may
+    be reused). A hang-up is seen within about 50 ms."""
 
     POLL_S = 0.05
 
@@ -265,13 +270,18 @@ class _Watcher:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
-            with self._lock:
-                events = self._sel.select(self.POLL_S) if self._sel.get_map() else None
-            if events is None:
+            if not self._sel.get_map():
                 self._stop.wait(self.POLL_S)
                 continue
+            try:
+                events = self._sel.select(self.POLL_S)
+            except (OSError, ValueError):  # a socket closed under the select: poll again
+                continue
             for key, _mask in events:
-                self._check(key.fileobj, key.data)
+                with self._lock:
+                    current = self._sel.get_map().get(key.fd)
+                    if current is not None and current.data is key.data:
+                        self._check(key.fileobj, key.data)
 
     def _check(self, conn, token: CancelToken) -> None:
         try:
@@ -280,9 +290,12 @@ class _Watcher:
             return
         except OSError:
             data = b""
-        if not data:  # the client hung up (EOF or reset)
+        if not data:  # the client hung up (EOF or reset); the caller holds the lock
             token.cancel("the client closed its connection")
-            self.unwatch(conn)
+            try:
+                self._sel.unregister(conn)
+            except (KeyError, ValueError):
+                pass
 
     def close(self) -> None:
         self._stop.set()

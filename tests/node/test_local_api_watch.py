@@ -1,0 +1,69 @@
+"""The local API's hang-up watcher and the control plane's id echo.
+
+Registering and unregistering a client never waits behind the watcher's select (issue 14: a
+request waited seconds for the watcher's lock); a hang-up cancels only the token of a socket
+that is still watched; a ``failed`` answer echoes only a whole valid C.14 id."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+from kvpack.node.local_api import CancelToken, _Watcher
+
+
+def test_watch_and_unwatch_do_not_wait_behind_a_long_select():
+    w = _Watcher()
+    pairs = [socket.socketpair() for _ in range(3)]
+    try:
+        idle = CancelToken()
+        w.watch(pairs[0][0], idle)  # an idle client: every select waits its whole poll
+        time.sleep(0.2)
+        w.POLL_S = 30.0  # the next select waits 30 s (the old watcher held its lock meanwhile)
+        done = threading.Event()
+
+        def churn() -> None:
+            for a, _b in pairs[1:]:
+                w.watch(a, CancelToken())
+                w.unwatch(a)
+            done.set()
+
+        t = threading.Thread(target=churn, daemon=True)
+        threading.Timer(0.2, t.start).start()  # the watcher is inside its 30 s select by then
+        assert done.wait(10.0), "watch/unwatch waited for the watcher's select"
+        assert not idle.cancelled
+    finally:
+        w._stop.set()
+        pairs[0][1].close()  # wakes the select: the idle client hung up
+        w._thread.join(5)
+        for a, b in pairs:
+            a.close()
+            b.close()
+
+
+def test_a_hang_up_cancels_only_a_watched_socket():
+    w = _Watcher()
+    a, b = socket.socketpair()
+    c, d = socket.socketpair()
+    try:
+        watched, dropped = CancelToken(), CancelToken()
+        w.watch(a, watched)
+        w.watch(c, dropped)
+        w.unwatch(c)
+        d.close()  # hangs up after unwatch: nobody may read c for it any more
+        b.close()
+        assert watched.wait(5.0)
+        assert not dropped.wait(0.3)
+    finally:
+        w.close()
+        a.close()
+        c.close()
+
+
+def test_echo_id_takes_only_a_whole_valid_c14_id():
+    from kvpack.node.control import echo_id
+
+    assert echo_id("muser-1-2_a.b") == "muser-1-2_a.b"
+    for bad in ("abc\n", "a b", "x" * 101, "", "é", 7, None, "ok\x00"):
+        assert echo_id(bad) == "unknown"
