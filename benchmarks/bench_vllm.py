@@ -82,6 +82,7 @@ def run_connector(
     python: str | None = None,
     store_dir: str | None = None,
 ) -> None:
+    from kvpack.integrations.vllm.prefix import save_cuts
     from kvpack.testing.vllm_harness import Engine
 
     eng = Engine(cfg_for(), os.path.join(logs, f"{name}-1.log"), core=core, python=python).start()
@@ -89,7 +90,7 @@ def run_connector(
         # warm-up (the first forward costs), on a prompt sharing no prefix with the measured ones
         warm = prompts[min(prompts)][0][:300][::-1]
         eng.generate([warm], max_tokens=1)
-        saved = len(warm) // 256
+        saved = len(save_cuts(len(warm), 0))  # 256-aligned cuts and the tail cut
         if store_dir is not None:
             wait_saved(store_dir, saved)
         for n, ps in prompts.items():
@@ -98,7 +99,7 @@ def run_connector(
                 results[n][f"{name}_cold"].append(t)
                 firsts[n].add((i, first))
                 if store_dir is not None:
-                    saved += len(p) // 256
+                    saved += len(save_cuts(len(p), 0))  # no two prompts share a 256-token prefix
                     wait_saved(store_dir, saved)
                 t, first = ttft(eng, p)
                 results[n][f"{name}_warm_in_process"].append(t)

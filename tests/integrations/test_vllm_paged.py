@@ -154,12 +154,44 @@ def store(tmp_path) -> PackStore:
     return PackStore.init(str(tmp_path / "store"), chunk_bytes=8192)
 
 
-def _saved(store: PackStore, ids, caches=None, block_ids=tuple(range(22))):
+def _saved(store: PackStore, ids, caches=None, block_ids=tuple(range(22)), prompt_len: int = 512):
+    """Save the cuts of the prompt ``TOKENS[:prompt_len]`` (256, 512 and, unless the prompt
+    ends on or one past a 256 boundary, its tail cut ``prompt_len - 1``)."""
     paged = PagedKV(caches or paged_caches())
-    spec = SaveSpec("r1", tuple(TOKENS[:512]), save_cuts(700, 0), block_ids)
-    assert spec.cuts == (256, 512)
+    cuts = save_cuts(prompt_len, 0)
+    spec = SaveSpec("r1", tuple(TOKENS[: cuts[-1]]), cuts, block_ids)
     reports = publish(store, capture(paged, LAYOUT, ids, spec), spec.cuts)
     return paged, reports
+
+
+def test_the_cuts_to_save_are_the_256_boundaries_and_the_prompt_minus_its_last_token():
+    assert save_cuts(512, 0) == (256, 512)  # the 512 cut already covers a repeat of this prompt
+    assert save_cuts(513, 0) == (256, 512)  # the tail would be the 512 cut itself
+    assert save_cuts(700, 0) == (256, 512, 699)
+    assert save_cuts(700, 256) == (512, 699) and save_cuts(700, 512) == (699,)
+    assert save_cuts(700, 699) == () and save_cuts(200, 0) == (199,) and save_cuts(1, 0) == ()
+
+
+def test_a_tail_cut_loads_all_but_the_last_token_into_a_partial_block(store):
+    ids = _identity().ids()
+    src, reports = _saved(store, ids, prompt_len=700)
+    assert [r.kind for r in reports] == ["full", "delta", "delta"]  # the tail is a delta on 512
+    planner = PrefixPlanner(store, LAYOUT, ids, BLOCK)
+    plan = planner.lookup(TOKENS[:700], local=64)
+    assert plan.hit is not None and (plan.stored, plan.lo, plan.hi) == (699, 64, 699)  # 699 = 21 blocks + 27 rows
+    # another last token finds the same tail; a prompt sharing fewer tokens finds the 512 cut
+    assert planner.lookup(TOKENS[:699] + [96], local=0).hi == 699
+    assert planner.lookup(TOKENS[:650] + [1] * 50, local=0).stored == 512
+    dst_caches = paged_caches(seed=9)
+    before = PagedKV(paged_caches(seed=9))
+    dst = PagedKV(dst_caches)
+    blocks = tuple(range(40, 62))
+    load_prefix(store, dst, LAYOUT, ids, _load_spec(plan, blocks))
+    for layer in range(LAYERS):
+        assert torch.equal(dst.gather(layer, blocks, 64, 699), src.gather(layer, tuple(range(22)), 64, 699))
+        # the last block's slots from the prompt's last token on are vLLM's: not written
+        assert torch.equal(dst.gather(layer, blocks, 699, 704), before.gather(layer, blocks, 699, 704))
+        assert torch.equal(dst.gather(layer, blocks, 0, 64), before.gather(layer, blocks, 0, 64))
 
 
 def test_saved_cuts_load_into_other_blocks_exactly(store):
@@ -183,7 +215,7 @@ def test_the_last_prompt_token_is_always_left_to_vllm(store):
     ids = _identity().ids()
     _saved(store, ids)
     plan = PrefixPlanner(store, LAYOUT, ids, BLOCK).lookup(TOKENS[:512], local=0)
-    assert (plan.stored, plan.hi) == (512, 480)  # 512 stored, one block short of the prompt's end
+    assert (plan.stored, plan.hi) == (512, 511)  # 512 stored, one token short of the prompt's end
     assert PrefixPlanner(store, LAYOUT, ids, BLOCK).lookup(TOKENS[:257], local=0).hi == 256
 
 

@@ -4,8 +4,9 @@ Every case compares vLLM's greedy tokens (temperature 0, ignore_eos, 32 tokens) 
 tokens of an engine without any connector (the session's ``reference``), and reads the
 connector's own counters through vLLM's metrics (``LLM.get_metrics()``):
 
-* cold request (a miss; the prefix is saved), the same prompt again in the same process
-  (a hit), a prompt sharing only the first 512 tokens (a partial hit);
+* cold request (a miss; the prefix is saved: 256, 512, 768 and the tail cut 999), the same
+  prompt again in the same process (a hit covering all but the last token: the prompt is
+  not a multiple of 256), a prompt sharing only the first 512 tokens (a partial hit);
 * a flipped byte in a stored chunk (the worker's verification refuses the load: a refusal,
   the cut is quarantined, vLLM recomputes, the same tokens; the next run hits again: healed);
 * a truncated chunk (refused at planning: the cut and the ones built on it are quarantined,
@@ -48,6 +49,11 @@ def _chunks_of_cuts(store_dir: str, cut: int, *, top_only: bool) -> list[str]:
     return sorted(set(out))
 
 
+def _stored_cuts(store_dir: str) -> set[int]:
+    store = PackStore.open(store_dir)
+    return {store.load_chain(mid)[0].cut.token_count for _node, mid in store.index_entries()}
+
+
 def _delta(after: dict, before: dict, key: str) -> float:
     return after.get(key, 0) - before.get(key, 0)
 
@@ -67,7 +73,7 @@ def first_engine(reference, smollm2_dir, store_dir, tmp_path_factory):
     eng.stop()
 
 
-def test_cold_hit_and_partial_hit_give_the_reference_tokens(first_engine, prompts, reference):
+def test_cold_hit_and_partial_hit_give_the_reference_tokens(first_engine, prompts, reference, store_dir):
     m0 = first_engine.metrics()
     (cold,) = first_engine.generate([prompts["A"]], max_tokens=MAX_TOKENS)
     m1 = first_engine.metrics()
@@ -79,17 +85,19 @@ def test_cold_hit_and_partial_hit_give_the_reference_tokens(first_engine, prompt
     m2 = first_engine.metrics()
     assert again["tokens"] == reference["A"]
     assert _delta(m2, m1, "kvpack_loads") == 1
-    assert _delta(m2, m1, "kvpack_loaded_tokens") == 768  # the deepest 256-aligned cut of 1,000 tokens
+    # the tail cut: vLLM computes only the last of the 1,000 tokens
+    assert _delta(m2, m1, "kvpack_loaded_tokens") == len(prompts["A"]) - 1 == 999
+    assert 999 in _stored_cuts(store_dir)
 
     (partial,) = first_engine.generate([prompts["B"]], max_tokens=MAX_TOKENS)
     m3 = first_engine.metrics()
     assert partial["tokens"] == reference["B"]
     assert _delta(m3, m2, "kvpack_loads") == 1 and _delta(m3, m2, "kvpack_loaded_tokens") == 512
-    assert m3.get("kvpack_refusals", 0) == 0 and m3.get("kvpack_saved_cuts", 0) >= 3  # A: 256/512/768 (B's may be pending)
+    assert m3.get("kvpack_refusals", 0) == 0 and m3.get("kvpack_saved_cuts", 0) >= 4  # A: 256/512/768/999 (B's may be pending)
 
 
 def test_a_flipped_byte_is_refused_recomputed_and_healed(first_engine, prompts, reference, store_dir):
-    victims = _chunks_of_cuts(store_dir, 768, top_only=True)  # A's and B's 768 deltas
+    victims = _chunks_of_cuts(store_dir, 768, top_only=True)  # A's and B's 768 deltas (below A's tail cut)
     assert victims
     for path in victims:
         with open(path, "r+b") as fh:
@@ -108,7 +116,7 @@ def test_a_flipped_byte_is_refused_recomputed_and_healed(first_engine, prompts, 
     (healed,) = first_engine.generate([prompts["A"]], max_tokens=MAX_TOKENS)
     m2 = first_engine.metrics()
     assert healed["tokens"] == reference["A"]
-    assert _delta(m2, m1, "kvpack_loads") == 1 and _delta(m2, m1, "kvpack_loaded_tokens") == 768
+    assert _delta(m2, m1, "kvpack_loads") == 1 and _delta(m2, m1, "kvpack_loaded_tokens") == 999
 
 
 def test_a_truncated_chunk_is_refused_at_planning_and_the_intact_prefix_loads(first_engine, prompts, reference, store_dir):
@@ -136,7 +144,7 @@ def test_a_fresh_process_hits_from_disk_and_another_identity_misses(vllm_py, smo
         (hit,) = fresh.generate([prompts["A"]], max_tokens=MAX_TOKENS)
         m = fresh.metrics()
         assert hit["tokens"] == reference["A"]
-        assert m.get("kvpack_loads") == 1 and m.get("kvpack_loaded_tokens") == 768
+        assert m.get("kvpack_loads") == 1 and m.get("kvpack_loaded_tokens") == 999
         (miss,) = other.generate([prompts["A"]], max_tokens=MAX_TOKENS)
         m = other.metrics()
         assert miss["tokens"] == reference["A"]

@@ -203,20 +203,38 @@ class Engine:
     def metrics(self) -> dict[str, Any]:
         return self.call({"op": "metrics"})["metrics"]
 
+    def request_stop(self) -> None:
+        """Ask the engine to quit without waiting (:func:`stop_all` shuts several down at once)."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            self.proc.stdin.write(b'{"op": "quit"}\n')
+            self.proc.stdin.flush()
+        except OSError:
+            pass  # it is exiting already; stop() waits or kills
+
     def stop(self, timeout_s: float = 120.0) -> None:
         if self.proc is None:
             return
+        self.request_stop()
         try:
-            if self.proc.poll() is None:
-                self.proc.stdin.write(b'{"op": "quit"}\n')
-                self.proc.stdin.flush()
-                self.proc.wait(timeout=timeout_s)
+            self.proc.wait(timeout=timeout_s)
         except Exception:  # noqa: BLE001 - fall through to the kill below
             pass
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(timeout=30)
         self._log.close()
+
+
+def stop_all(*engines: "Engine | None", timeout_s: float = 120.0) -> None:
+    """Shut engines down side by side: every one is asked to quit first, then each is waited
+    for (vLLM's shutdown takes seconds per engine; one after the other they add up)."""
+    live = [e for e in engines if e is not None]
+    for e in live:
+        e.request_stop()
+    for e in live:
+        e.stop(timeout_s)
 
 
 def main(argv: list[str]) -> int:

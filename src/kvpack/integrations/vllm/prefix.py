@@ -5,10 +5,13 @@ Scheduler side (:class:`PrefixPlanner`): for a new request, find the deepest sto
 cut of its prompt under this engine's exact identity, check the cut's pack chain (manifests
 authenticated and linked) and that every chunk file it needs is present with its recorded
 size, and plan to load rows ``[local, hi)``: ``local`` is what vLLM already holds (block
-aligned), ``hi`` the cut clipped so vLLM still computes at least the prompt's last token, on
-a block boundary. Saves are planned at every multiple of 256 up to the prompt's last one that
-is not stored yet, so a later prompt sharing any 256-aligned prefix finds it (each cut a delta
-on the previous: the keyed prefix chain indexes each cut).
+aligned), ``hi`` the cut clipped so vLLM still computes the prompt's last token (vLLM needs
+one computed token to sample from; its scheduler takes a load ending inside a block). Saves
+are planned at every multiple of 256 up to the prompt's last one that is not stored yet, so a
+later prompt sharing any 256-aligned prefix finds it, plus a final *tail cut* of the prompt
+minus its last token, so the same prompt again computes one token, not up to 256 (each cut a
+delta on the previous 256-aligned one: the keyed prefix chain indexes each cut; the tail cut
+is the chain's final node, found only by a prompt of exactly one more token that shares it).
 
 Worker side: :func:`load_prefix` verifies every byte of the planned chunks (PackStore's healing
 restore: pack chain, object digests, AEAD, frames, content ids, the prefix marker; a cut
@@ -57,7 +60,8 @@ class LoadSpec:
 
 @dataclass(frozen=True)
 class SaveSpec:
-    """Publish the 256-aligned ``cuts`` (ascending) of the request's prompt."""
+    """Publish the ``cuts`` (ascending: 256-aligned ones, then maybe the tail cut) of the
+    request's prompt."""
 
     req_id: str
     tokens: tuple[int, ...]  # the prompt up to the deepest cut
@@ -80,10 +84,21 @@ class LoadPlan:
         return max(0, self.hi - self.lo)
 
 
+def tail_cut(prompt_len: int) -> int | None:
+    """The prompt minus its last token, when that is not already a 256-aligned cut (nor
+    covered by the cut at ``prompt_len`` itself, which a load clips to the same rows)."""
+    return prompt_len - 1 if prompt_len % CUT_TOKENS not in (0, 1) else None
+
+
 def save_cuts(prompt_len: int, stored: int) -> tuple[int, ...]:
-    """The 256-aligned cuts of a prompt not yet stored (deepest stored cut ``stored``)."""
+    """The cuts of a prompt not yet stored (deepest stored cut ``stored``), ascending: each
+    multiple of 256 and the tail cut (:func:`tail_cut`)."""
     top = prompt_len - prompt_len % CUT_TOKENS
-    return tuple(range(stored - stored % CUT_TOKENS + CUT_TOKENS, top + 1, CUT_TOKENS))
+    cuts = list(range(stored - stored % CUT_TOKENS + CUT_TOKENS, top + 1, CUT_TOKENS))
+    tail = tail_cut(prompt_len)
+    if tail is not None and tail > stored:
+        cuts.append(tail)  # above every 256-aligned cut of the prompt (prompt_len % 256 >= 2)
+    return tuple(cuts)
 
 
 class PrefixPlanner:
@@ -98,23 +113,21 @@ class PrefixPlanner:
         self.block_size = block_size
         self._ctx = store.context(layout, ids)
 
-    def lookup(self, prompt: Sequence[int], local: int, max_attempts: int = 4) -> LoadPlan:
+    def lookup(self, prompt: Sequence[int], local: int, max_attempts: int = 6) -> LoadPlan:
         """Plan the load for a prompt of which vLLM already holds ``local`` tokens.
 
         A stored cut that fails the checks is quarantined (kvpack.store.maintenance: a receipt,
         the index entry removed, objects wrong for their own name deleted) and the next
         shallower cut is tried, like the store's own healing lookup; what is not loaded is
         computed by vLLM and saved again."""
-        bs = self.block_size
-        limit = (len(prompt) - 1) // bs * bs  # vLLM computes at least the last token
+        limit = len(prompt) - 1  # vLLM computes the last token (it samples from its logits)
         refusals: list[str] = []
         for _ in range(max_attempts):
-            hit = self.store.find_deepest(prompt, self.layout, self.ids, require_logits=False)
+            hit = self._deepest(prompt)
             if hit is None:
                 break
             plan = LoadPlan(stored=hit.cut, refusals=refusals)
             hi = min(hit.cut, limit)
-            hi -= hi % bs
             if hi <= local:
                 return plan  # nothing beyond what vLLM holds
             try:
@@ -127,6 +140,19 @@ class PrefixPlanner:
             plan.hit, plan.lo, plan.hi = hit, local, hi
             return plan
         return LoadPlan(stored=0, refusals=refusals)
+
+    def _deepest(self, prompt: Sequence[int]) -> Hit | None:
+        """The stored cut covering most of ``prompt[:-1]``: the tail cut of this very prompt
+        (the chain's final node at ``len - 1``) or the deepest 256-aligned cut, which may lie
+        at ``len`` itself (saved by a longer prompt; the load clips it)."""
+        find = self.store.find_deepest
+        best = find(prompt[:-1], self.layout, self.ids, require_logits=False) if len(prompt) > 1 else None
+        if best is not None and best.cut == len(prompt) - 1:
+            return best
+        whole = find(prompt, self.layout, self.ids, require_logits=False)
+        if whole is not None and (best is None or min(whole.cut, len(prompt) - 1) > best.cut):
+            return whole
+        return best
 
     def _quarantine(self, hit: Hit, exc: BaseException) -> bool:
         """Take a cut that failed its checks out of the index; False if it is still there."""

@@ -4,7 +4,8 @@ vLLM asks, for each new request, how many tokens beyond its local prefix cache t
 can supply (:meth:`SchedulerSide.matched_tokens`); the answer is a verified plan from
 :class:`~.prefix.PrefixPlanner`, loaded synchronously before the request's first forward.
 Each step, :meth:`SchedulerSide.build` lists the loads of newly scheduled requests and the
-saves of requests whose prefill reaches their deepest 256-aligned cut in that step.
+saves of requests whose prefill reaches their deepest cut in that step (the 256-aligned
+cuts and the tail cut, :func:`~.prefix.save_cuts`).
 
 A lookup waits (vLLM's "ask again later", bounded by ``save_wait_s``) while a save of a
 prefix it shares is still being written, so a repeated prompt finds what the previous one
@@ -119,7 +120,10 @@ class SchedulerSide:
             if now - emitted > self.settings.save_wait_s:
                 continue
             shared = min(common_prefix(prompt, tokens), deepest)
-            gain = max(gain, shared - shared % CUT_TOKENS)
+            if shared == deepest and deepest == len(prompt) - 1:
+                gain = max(gain, deepest)  # the tail cut of this very prompt
+            else:
+                gain = max(gain, shared - shared % CUT_TOKENS)
         if gain <= plan.stored:
             self._waiting_since.pop(req_id, None)
             return False
@@ -198,9 +202,29 @@ class SchedulerSide:
             self._inflight.pop(req_id, None)
             tracked = self._tracked.get(req_id)
             if tracked is not None:
+                self._prune(tracked.prompt)
                 tracked.plan = LoadPlan(stored=0)
                 tracked.cuts = save_cuts(len(tracked.prompt), 0)
                 tracked.save_emitted = False
+
+    def _prune(self, prompt: list[int]) -> None:
+        """After a refused load: take the prompt's stored cuts that no longer check out of
+        the index, so the save after the recompute writes them again.
+
+        The worker's verification quarantined the cut it loaded and deleted the damaged
+        object, which may belong to an ancestor of that cut (a tail cut is a delta on the
+        256-aligned cut below it); the ancestor's index entry still names a pack whose chunk
+        is gone, and a save finds an indexed cut "existing". A lookup checks every chunk the
+        deepest remaining cut needs and quarantines what fails, shallower and shallower."""
+        if self.planner is None:
+            return
+        try:
+            plan = self.planner.lookup(prompt, 0)
+        except Exception as exc:  # noqa: BLE001 - best effort: the next lookup checks again
+            log.warning("kvpack: checking the stored cuts after a refused load failed: %s", exc)
+            return
+        for reason in plan.refusals:
+            self.stats.refusal(reason)
 
     def finished(self, req_id: str) -> None:
         self._tracked.pop(req_id, None)
