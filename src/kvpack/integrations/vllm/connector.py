@@ -5,7 +5,7 @@ one in each worker (``WORKER``). This class only routes vLLM's calls to the half
 them (:mod:`.scheduler`, :mod:`.worker`, and for disaggregated prefill :mod:`.disagg`) and
 converts vLLM's objects into the plain specs those halves use. Roles (``kv_role``):
 
-* ``kv_both``: the verified prefix store (load the deepest stored 256-aligned prefix, save
+* ``kv_both``: the verified prefix store (load the deepest stored prefix cut, save
   new cuts);
 * ``kv_producer`` / ``kv_consumer``: disaggregated prefill; the producer hands each finished
   prefill to the consumer as a sealed Handoff V2 transfer over mutual TLS (:mod:`.disagg`).

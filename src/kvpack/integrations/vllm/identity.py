@@ -192,7 +192,11 @@ def vllm_identity(vllm_config: Any) -> EngineIdentity:
         config=config,
         tokenizer_digest=tok_digest,
         chat_template_digest=tpl_digest,
-        context_policy={"max_context": int(mc.max_model_len), "prefix_cuts": "absolute multiples of 256", "suffix": "computed by vLLM"},
+        context_policy={
+            "max_context": int(mc.max_model_len),
+            "prefix_cuts": "absolute multiples of 256 and the prompt minus its last token",
+            "suffix": "computed by vLLM",
+        },
         adapter={"name": "none"},
         weight_precision=f"{precision}->{engine_abi['compute_dtype']}",
         engine_abi=engine_abi,

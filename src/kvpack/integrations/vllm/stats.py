@@ -26,7 +26,7 @@ COUNTERS = {
     "loads": "Prefix loads that verified completely and were written into vLLM's blocks.",
     "loaded_tokens": "Tokens whose KV was loaded instead of computed.",
     "loaded_bytes": "Verified stored bytes read by loads.",
-    "saved_cuts": "256-token prefix cuts published to the store.",
+    "saved_cuts": "Prefix cuts (each 256-token boundary and the tail cut) published to the store.",
     "saved_bytes": "Bytes written to the store by saves.",
     "save_failures": "Saves that failed (the request was unaffected).",
     "saves_dropped": "Saves skipped because too many were pending.",
