@@ -15,12 +15,16 @@ from __future__ import annotations
 import errno
 import os
 import secrets
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Union
 
 from .errors import DurableIOError
 
 Buffer = Union[bytes, bytearray, memoryview]
+
+
+#: buffers one writev call takes at most (POSIX IOV_MAX is at least 16; Linux allows 1024)
+_IOV_MAX = 64
 
 
 class FileOps:
@@ -30,11 +34,24 @@ class FileOps:
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
         return os.open(path, flags, mode)
 
-    def write(self, fd: int, data: Buffer) -> None:
-        view = memoryview(data).cast("B")
-        while view:
-            written = os.write(fd, view)
-            view = view[written:]
+    def write(self, fd: int, data: Buffer | Sequence[Buffer]) -> None:
+        """Write all of ``data``: one buffer, or a sequence of buffers gathered with
+        ``writev`` (one object built from parts -- header, payload, padding -- is written
+        without first joining the parts into one more copy)."""
+        if isinstance(data, (bytes, bytearray, memoryview)):
+            view = memoryview(data).cast("B")
+            while view:
+                written = os.write(fd, view)
+                view = view[written:]
+            return
+        views = [v for v in (memoryview(p).cast("B") for p in data) if v.nbytes]
+        while views:
+            written = os.writev(fd, views[:_IOV_MAX])
+            while views and written >= views[0].nbytes:
+                written -= views[0].nbytes
+                views.pop(0)
+            if written:
+                views[0] = views[0][written:]
 
     def fsync(self, fd: int) -> None:
         os.fsync(fd)
@@ -117,7 +134,8 @@ def atomic_write(
     sync_dir: bool = True,
     replace: bool = True,
 ) -> bool:
-    """Durably replace ``path`` with ``data`` (one buffer or an iterable of buffers).
+    """Durably replace ``path`` with ``data`` (one buffer, or an iterable of buffers that
+    are the parts of one object: written with one gathered ``FileOps.write``, one step).
 
     With ``replace=False`` the target is created only if it does not exist (``link`` instead
     of ``rename``): returns False, writing nothing, when it already exists.
@@ -132,11 +150,7 @@ def atomic_write(
     try:
         fd = ops.open_excl(tmp, mode)
         step = "write"
-        if isinstance(data, (bytes, bytearray, memoryview)):
-            ops.write(fd, data)
-        else:
-            for piece in data:
-                ops.write(fd, piece)
+        ops.write(fd, data if isinstance(data, (bytes, bytearray, memoryview)) else tuple(data))
         step = "fsync"
         ops.fsync(fd)
         ops.close(fd)

@@ -20,10 +20,11 @@ This module never reads files or objects itself (only through the source) and ne
 
 from __future__ import annotations
 
+import itertools
 import os
+import threading
 import time
 from collections import deque
-import itertools
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -191,7 +192,7 @@ def check_chunk(
     verified completely here (encrypted, lossless, odd, or ``on_host``: the restore's host
     tail) whose plaintext now sits where a raw frame's would. Raises on refusal. Run by the
     reading threads and by the reader processes alike."""
-    from ..format.chunk import decode_chunk, decode_chunk_deferred
+    from ..format.chunk import decode_chunk_deferred, decode_chunk_one_pass
     from ..format.identity import chunk_content_prefix
     from .gpu_digest import HEAD_BYTES
 
@@ -207,14 +208,37 @@ def check_chunk(
                 deferred = None  # not raw and unencrypted: decoded below
             if deferred is not None:
                 return deferred, head, n
-    place_plaintext(region, decode_chunk(obj, **verify_args))
+    place_plaintext(region, decode_chunk_one_pass(obj, **verify_args))
     return None, b"", n
 
 
 def _decode(source: ChunkSource, job: ChunkJob, obj: Buffer) -> Buffer:
-    from ..format.chunk import decode_chunk
+    """Every A.5 check of ``decode_chunk``, the two long hashes in one pass (raw chunks)."""
+    from ..format.chunk import decode_chunk_one_pass
 
-    return decode_chunk(obj, **source.verify_args(job))
+    return decode_chunk_one_pass(obj, **source.verify_args(job))
+
+
+class ReadBuffers:
+    """Reusable read buffers of a host restore, one per chunk in flight: each object is read
+    into one (``readinto``) and verified there, and its plaintext view is installed from it,
+    so a restore allocates (and page-faults) a window of buffers, not one per chunk. Never
+    blocks: a restore that holds them all gets a fresh one."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._free: list[bytearray] = []
+        self._lock = threading.Lock()
+
+    def take(self) -> bytearray:
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+        return bytearray(self.size)
+
+    def give(self, buf: bytearray) -> None:
+        with self._lock:
+            self._free.append(buf)
 
 
 class HostPipeline:
@@ -226,19 +250,27 @@ class HostPipeline:
         # On a CUDA install chunk objects are read into pinned slots, verified there and
         # uploaded by the workers; this thread only queues the device-side copies.
         self.stager = install.stager(2 * tuning.workers + 2) if isinstance(install, PlaneStaging) else None
+        self.buffers: ReadBuffers | None = None
 
     def verify_one(self, job: ChunkJob) -> Any:
-        """The verified plaintext, or with a stager the slot holding it (upload started)."""
-        slot = self.stager.acquire() if self.stager is not None else None
+        """``(plaintext view, read buffer)``, or with a stager the slot holding the plaintext
+        (upload started)."""
+        if self.stager is None:
+            assert self.buffers is not None
+            buf = self.buffers.take()
+            try:
+                obj, _n = self.source.read_into(job.ref, memoryview(buf)[: job.ref.object_bytes])
+                return _decode(self.source, job, obj), buf
+            except BaseException:
+                self.buffers.give(buf)
+                raise
+        slot = self.stager.acquire()
         try:
-            if slot is None:
-                return _decode(self.source, job, self.source.read(job.ref))
             obj, _n = self.source.read_into(job.ref, slot.host_region())
             slot.upload(_decode(self.source, job, obj))
             return slot
         except BaseException:
-            if slot is not None:
-                slot.release()
+            slot.release()
             raise
 
     def drain(self, fut: Future, job: ChunkJob) -> None:
@@ -246,7 +278,12 @@ class HostPipeline:
         row = self.layout.layer(job.key.layer).row_bytes
         lo_byte, hi_byte = (job.a - job.span.token_start) * row, (job.b - job.span.token_start) * row
         if self.stager is None:
-            self.install.write_rows(job.key.layer, job.key.name, job.a, memoryview(result)[lo_byte:hi_byte])
+            plaintext, buf = result
+            try:
+                self.install.write_rows(job.key.layer, job.key.name, job.a, memoryview(plaintext)[lo_byte:hi_byte])
+            finally:
+                del plaintext  # a view of buf: buf is reused only once nothing refers to it here
+                self.release(result)
         else:
             try:
                 self.install.write_rows(job.key.layer, job.key.name, job.a, result.rows(lo_byte, hi_byte - lo_byte))
@@ -255,8 +292,17 @@ class HostPipeline:
         self.verified += 1
         self.nbytes += job.ref.object_bytes
 
+    def release(self, result: Any) -> None:
+        """Hand back what a finished ``verify_one`` holds."""
+        if self.stager is not None:
+            result.release()
+        elif self.buffers is not None:
+            self.buffers.give(result[1])
+
     def run(self, jobs: list[ChunkJob]) -> PipelineResult:
         window = 2 * self.tuning.workers
+        if jobs and self.stager is None:
+            self.buffers = ReadBuffers(max(job.ref.object_bytes for job in jobs))
         pending: deque[tuple[Future, ChunkJob]] = deque()
         with ThreadPoolExecutor(self.tuning.workers) as pool:
             try:
@@ -267,10 +313,9 @@ class HostPipeline:
                 while pending:
                     self.drain(*pending.popleft())
             finally:
-                if self.stager is not None:  # refused midway: hand back the slots still held
-                    for fut, _job in pending:
-                        if fut.exception() is None:
-                            fut.result().release()
+                for fut, _job in pending:  # refused midway: hand back what is still held
+                    if not fut.cancel() and fut.exception() is None:
+                        self.release(fut.result())
         return PipelineResult(self.verified, self.nbytes, {"host": self.verified}, pipeline="host")
 
 

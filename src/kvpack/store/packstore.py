@@ -12,8 +12,8 @@ Layout (object names; docs/store.md)::
     quarantine/<time>-<id>.json receipts of cuts taken out of the index (verification failed)
 
 Names are HMAC outputs (content ids, manifest ids, keyed prefix-chain node ids): no token id
-or text appears in any name, object or log. Publication order is chunks -> pack -> logits ->
-index entry (:mod:`.publish`); the index entry is the commit point, written with a
+or text appears in any name, object or log. Publication order is chunks -> pack and logits
+-> index entry (:mod:`.publish`); the index entry is the commit point, written with a
 compare-and-swap, so a crash anywhere leaves the previous generation intact and only
 unreferenced objects behind (which ``gc`` removes, :mod:`.maintenance`).
 

@@ -1,4 +1,4 @@
-"""Publication of one cut: chunks -> pack -> final logits -> index entry.
+"""Publication of one cut: chunks, pack and final logits (all durable) -> index entry.
 
 Every object is written through the store's environment. Chunk objects are created only if
 absent (content-addressed objects are immutable: an encrypted re-encoding must never replace
@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import secrets
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any
 
@@ -26,7 +26,7 @@ from ..engine.contract import CacheLayout, SpanExport
 from ..errors import FormatError, StoreError
 from ..format import constants as C
 from ..format.build import build_schema
-from ..format.chunk import ChunkHeader, decode_chunk, encode_chunk
+from ..format.chunk import ChunkHeader, decode_chunk, encode_chunk, encode_chunk_parts
 from ..format.identity import InputCutId, PrefixChain, chunk_content_id
 from ..format.objects import ChunkRef, Manifest, PayloadState
 from ..format.pack import encode_pack
@@ -82,9 +82,11 @@ def save(
         mid = manifest.manifest_id(mbytes)
         salt, nonce = _salt_nonce(store)
         pack = encode_pack(manifest, store.keys, encrypted=store.encrypted, salt=salt, nonce=nonce, manifest_bytes=mbytes)
-        store.env.write(pack_name(mid), pack)
         lobj = _logits_object(store, ctx, layout, cut, mid, logits)
-        store.env.write(logits_name(mid), lobj)
+        _make_durable(
+            store,
+            (lambda: store.env.commit("chunks/"), lambda: store.env.write(pack_name(mid), pack), lambda: store.env.write(logits_name(mid), lobj)),
+        )
         _check_young(store, started)
         lease.check()
         committed = _commit_index(store, node.node_id, mid)
@@ -94,6 +96,23 @@ def save(
     report.bytes_written += len(pack) + len(lobj)
     report.seconds = time.perf_counter() - t0
     return report
+
+
+def _make_durable(store: PackStore, steps: Sequence[Callable[[], object]]) -> None:
+    """Run the independent durability steps that precede the index entry (the chunk
+    directory's fsync, the pack, the logits object) and return once all are done. Each ends
+    in its own fsyncs, so with more than one worker they run at once (their flushes
+    overlap); one worker runs them in order (the crash tests number its steps). The first
+    failure is raised after every step has ended: nothing is committed then."""
+    if store.workers <= 1:
+        for step in steps:
+            step()
+        return
+    with ThreadPoolExecutor(len(steps)) as pool:
+        futures = [pool.submit(step) for step in steps]
+        wait(futures)
+    for fut in futures:
+        fut.result()
 
 
 def _checked_logits(session: Any, layout: CacheLayout, cut: int, logits: bytes | memoryview | None, prefix_only: bool) -> bytes | memoryview:
@@ -243,8 +262,7 @@ def _write_chunks(store: PackStore, session: Any, ctx: _Context, schema: Any, re
                 if fut.cancel() and release is not None:
                     release()  # never ran: its buffer goes back here
             raise
-    store.env.commit("chunks/")
-    return refs
+    return refs  # the chunk directory is committed with the pack (_make_durable)
 
 
 def _span_plaintext(session: Any, layer: int, role: str, start: int, stop: int, cut: int) -> memoryview | bytes | bytearray:
@@ -325,7 +343,7 @@ def _write_one_chunk(store: PackStore, ctx: _Context, fs: Any, index: int, span:
         if ref is not None:
             return fs.key, index, ref, False, span.plaintext_bytes
         salt, nonce = _salt_nonce(store)
-        chunk = encode_chunk(
+        chunk = encode_chunk_parts(
             keys=store.keys,
             family_digest=ctx.family_digest,
             key=fs.key,
@@ -337,15 +355,20 @@ def _write_one_chunk(store: PackStore, ctx: _Context, fs: Any, index: int, span:
             nonce=nonce,
             content_id=content_id,
         )
+        # A raw chunk's payload part is the export buffer itself. A host export (a view of
+        # the session's rows) is written straight from it, the parts gathered by one writev:
+        # no joined copy. A pinned export buffer (release set) is joined into one object
+        # first and handed back now, so the exporter can reuse it during write and fsync.
+        body: Any = chunk.parts if release is None else b"".join(chunk.parts)
     finally:
         if release is not None:
             release()
-    if not store.env.write(name, chunk.obj, create_only=True, batch=True):
+    if not store.env.write(name, body, create_only=True, batch=True):
         # another publisher created it meanwhile: adopt theirs if it verifies, else replace
         ref = _existing_ref(store, ctx, fs, span, name, content_id)
         if ref is not None:
             return fs.key, index, ref, False, span.plaintext_bytes
-        store.env.write(name, chunk.obj, batch=True)
+        store.env.write(name, body, batch=True)
     return fs.key, index, chunk.ref, True, span.plaintext_bytes
 
 

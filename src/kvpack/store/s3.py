@@ -232,7 +232,7 @@ class S3Env(StorageEnv):
 
     # -- writes ------------------------------------------------------------------------------
     def write(self, name: str, data: Buffer | Iterable[Buffer], *, create_only: bool = False, batch: bool = False) -> bool:
-        body = data if isinstance(data, (bytes, bytearray, memoryview)) else b"".join(bytes(p) for p in data)
+        body = data if isinstance(data, (bytes, bytearray, memoryview)) else b"".join(data)  # parts: one copy
         body = bytes(body) if not isinstance(body, bytes) else body
         extra = {"IfNoneMatch": "*"} if create_only else {}
         try:

@@ -28,7 +28,7 @@ import errno
 import os
 import shutil
 import time
-from collections.abc import Callable, Container
+from collections.abc import Callable, Container, Sequence
 
 from ..durable import Buffer, FileOps
 
@@ -127,7 +127,7 @@ class FaultyOps(FileOps):
         self._pending.append((self._dir(path), "create", path))
         return fd
 
-    def write(self, fd: int, data: Buffer) -> None:
+    def write(self, fd: int, data: Buffer | Sequence[Buffer]) -> None:
         self._step("write")
         super().write(fd, data)
 
