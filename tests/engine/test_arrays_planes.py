@@ -93,3 +93,23 @@ def test_install_commit_then_growth_matches_an_uninterrupted_session():
     s.prefill([11, 12])
     assert s.cache_digest() == ref.cache_digest()
     assert s.decode_greedy(5)[0] == ref.decode_greedy(5)[0]
+
+
+def test_an_installed_cache_takes_the_boundary_token_and_decoding_in_place():
+    """An install's planes carry spare rows: the decode node's boundary token and the first
+    decode steps (or a producer's last prefill chunk) append without copying the cache."""
+    layout = LAYOUTS["full-f32"]
+    tokens = list(range(3, 1500))
+    src = _session(layout, tokens, 256)
+    s = ArrayEngine(layout).new_session()
+    install = s.begin_install(len(tokens), tokens, s.engine.identity)
+    for layer, role in layout.states():
+        install.write_rows(layer, role, 0, src.export_rows(layer, role, 0, len(tokens)))
+    install.commit(require_logits=False)
+    buffers = {key: id(plane.buf) for key, plane in s._planes.items()}
+    s.prefill([11])
+    s.decode_greedy(8)
+    assert {key: id(plane.buf) for key, plane in s._planes.items()} == buffers
+    ref = _session(layout, tokens + [11], 256)
+    ref.decode_greedy(8)
+    assert s.cache_digest() == ref.cache_digest()

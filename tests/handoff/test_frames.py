@@ -179,3 +179,20 @@ def test_encoder_refuses_what_decoder_refuses():
         encode_frame(Segment(0, memoryview(b"abc")), FrameLimits(max_payload=2))
     with pytest.raises(ProtocolError):
         encode_frame(Abort("x" * 100), FrameLimits(max_header=50))
+
+
+def test_reused_payload_buffers_alternate_and_a_view_outlives_the_next_segment():
+    """``payload_buffers=2``: a segment's payload view is untouched while the next segment
+    is decoded (a sink may still be writing from it), and its buffer serves the one after."""
+    payloads = [bytes([i + 1]) * (1002 - i) for i in range(3)]
+    stream = b"".join(frame_bytes(Segment(i, memoryview(p))) for i, p in enumerate(payloads))
+    dec = FrameDecoder(reuse_payload_buffer=True, payload_buffers=2)
+    views = []
+    for frame in dec.feed(stream[: len(stream) * 2 // 3 + 50]):  # the first two frames, and part of the third
+        views.append(frame.payload)
+    assert [bytes(v) for v in views] == payloads[:2]  # the first survived the second
+    views += [f.payload for f in dec.feed(stream[len(stream) * 2 // 3 + 50 :])]
+    assert bytes(views[2]) == payloads[2] and views[2].obj is views[0].obj  # buffers taken in turn
+    assert dec.buffered_bytes >= 1002
+    with pytest.raises(ValueError):
+        FrameDecoder(reuse_payload_buffer=True, payload_buffers=0)

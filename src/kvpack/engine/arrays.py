@@ -114,9 +114,11 @@ class _Plane:
         self.rows = 0  # valid rows: absolute [base, base + rows)
 
     @classmethod
-    def adopt(cls, rows: np.ndarray, base: int) -> "_Plane":
-        plane = cls(rows.shape[1])
-        plane.buf, plane.base, plane.rows = rows, base, rows.shape[0]
+    def adopt(cls, buf: np.ndarray, base: int, rows: int | None = None) -> "_Plane":
+        """A plane over ``buf`` whose first ``rows`` rows (default: all) are valid; the rest
+        is spare capacity the next appends fill without a copy."""
+        plane = cls(buf.shape[1])
+        plane.buf, plane.base, plane.rows = buf, base, buf.shape[0] if rows is None else rows
         return plane
 
     def view(self, start: int, stop: int) -> np.ndarray:
@@ -182,9 +184,14 @@ class ArraySession:
         self.last_logits = rng.standard_normal(self.layout.vocab_size).astype(np.float32)
 
     def _adopt(self, planes: dict[tuple[int, str], np.ndarray], tokens: list[int], logits: np.ndarray | None) -> None:
-        """Take an install's planes (retained rows at ``tokens``' length) as the live cache."""
+        """Take an install's planes (retained rows at ``tokens``' length first, then spare
+        rows) as the live cache."""
         position = len(tokens)
-        self._planes = {key: _Plane.adopt(rows, self.layout.retained_range(key[0], position)[0]) for key, rows in planes.items()}
+        planes_of = {}
+        for key, buf in planes.items():
+            lo, hi = self.layout.retained_range(key[0], position)
+            planes_of[key] = _Plane.adopt(buf, lo, hi - lo)
+        self._planes = planes_of
         self.tokens = list(tokens)
         self._token_hash = hashlib.sha256(np.asarray(self.tokens, dtype="<u4").tobytes())
         self.last_logits = logits
@@ -235,7 +242,15 @@ class ArraySession:
         return ArrayInstall(self, cut, token_ids)
 
 
+#: spare rows an install's planes get beyond the rows it needs (plus 1/16 of those)
+_INSTALL_SPARE_ROWS = 256
+
+
 class ArrayInstall(InstallContext):
+    #: writes of disjoint rows may run on several threads at once (a striped handoff's
+    #: connections): each touches only its own slices of the planes and of ``_written``
+    concurrent_row_writes = True
+
     def __init__(self, session: ArraySession, cut: int, token_ids: Sequence[int]) -> None:
         if len(token_ids) != cut or cut <= 0:
             raise EngineError("install", f"{len(token_ids)} token ids for a cut of {cut}")
@@ -249,8 +264,12 @@ class ArrayInstall(InstallContext):
         self._written = {}
         for spec in self.layout.layers:
             lo, hi = spec.retained_range(cut)
+            # spare rows after the needed ones: the boundary token, a last prefill chunk and
+            # the first decode steps append in place after the commit, instead of copying
+            # the whole cache into a larger buffer (pages never touched cost nothing)
+            spare = _INSTALL_SPARE_ROWS + (hi - lo) // 16
             for role in self.layout.roles:
-                self._planes[(spec.index, role)] = np.zeros((hi - lo, spec.row_bytes), np.uint8)
+                self._planes[(spec.index, role)] = np.zeros((hi - lo + spare, spec.row_bytes), np.uint8)
                 self._written[(spec.index, role)] = np.zeros(hi - lo, dtype=bool)
 
     def required_range(self, layer: int) -> tuple[int, int]:

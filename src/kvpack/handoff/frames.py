@@ -160,6 +160,7 @@ class FrameDecoder:
         *,
         reuse_payload_buffer: bool = False,
         payload_gate: Optional[Callable[[Segment, int], None]] = None,
+        payload_buffers: int = 1,
     ) -> None:
         self.limits = limits
         # Called with a parsed segment header and its declared payload length *before* the
@@ -172,7 +173,13 @@ class FrameDecoder:
         # sink copies during write_segment), which saves a fresh multi-MiB allocation and
         # its page faults per frame; standalone decoding keeps fresh buffers.
         self.reuse_payload_buffer = reuse_payload_buffer
-        self._payload_buf: Optional[bytearray] = None
+        # With reuse and ``payload_buffers = k``, segments take the reused buffers in turn:
+        # a payload view then stays valid until ``k`` later segment payloads started, so a
+        # consumer may still be writing one segment while the next one is read (k = 2).
+        if payload_buffers < 1:
+            raise ValueError("payload_buffers must be at least 1")
+        self._payload_bufs: list[Optional[bytearray]] = [None] * payload_buffers
+        self._next_buf = 0
         self._preamble = bytearray(PREAMBLE_BYTES)
         self._view = memoryview(self._preamble)
         self._filled = 0
@@ -239,8 +246,9 @@ class FrameDecoder:
     def buffered_bytes(self) -> int:
         """Bytes currently held for the partial frame (bounded by one frame's limits)."""
         held = len(self._view)
-        if self._payload_buf is not None:
-            held = max(held, len(self._payload_buf))
+        for buf in self._payload_bufs:
+            if buf is not None:
+                held = max(held, len(buf))
         return held
 
     def eof(self) -> None:
@@ -265,10 +273,13 @@ class FrameDecoder:
     def _payload_buffer(self, n: int) -> memoryview:
         if not self.reuse_payload_buffer:
             return memoryview(bytearray(n))
-        if self._payload_buf is None or len(self._payload_buf) < n:
-            self._payload_buf = None  # drop the old one before allocating the larger
-            self._payload_buf = bytearray(n)
-        return memoryview(self._payload_buf)[:n]
+        i = self._next_buf
+        self._next_buf = (i + 1) % len(self._payload_bufs)
+        buf = self._payload_bufs[i]
+        if buf is None or len(buf) < n:
+            self._payload_bufs[i] = None  # drop the old one before allocating the larger
+            buf = self._payload_bufs[i] = bytearray(n)
+        return memoryview(buf)[:n]
 
     def _step(self) -> Optional[Frame]:
         if self._filled < len(self._view):

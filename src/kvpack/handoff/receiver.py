@@ -171,12 +171,19 @@ class Receiver:
         stream_hash_min: Optional[int] = STREAM_HASH_MIN,
         stream_hash_chunk: int = STREAM_HASH_CHUNK,
         hash_executor: Executor = INLINE,
+        payload_buffers: int = 1,
     ) -> None:
         """``stream_hash_min``: payloads of at least this many bytes are hashed while they
         arrive, in ranges of ``stream_hash_chunk`` bytes (None: always hash complete
         payloads on the calling thread's schedule, as :meth:`receive_frame` does).
         ``hash_executor`` runs that hashing (a driver's thread pool overlaps it with the
-        next reads and runs both digests at once); the default hashes on this thread."""
+        next reads and runs both digests at once); the default hashes on this thread.
+        ``payload_buffers``: how many reused payload buffers segments take in turn. With
+        ``k > 1`` the payload view handed to ``sink.write_segment`` stays unchanged until the
+        sink's ``k - 1``-th later ``write_segment`` call returns, so a sink may finish
+        writing a segment asynchronously while the next one is read, provided it waits for
+        that write before that call returns (and in ``prepare``/``abort``); 1: the view
+        is valid only during the call."""
         if stream_hash_chunk < 1 or (stream_hash_min is not None and stream_hash_min < 1):
             raise ValueError("stream hashing sizes must be positive")
         self.config = config
@@ -185,7 +192,7 @@ class Receiver:
         self.now_unix_ms = now_unix_ms
         self.held_token_ids = held_token_ids
         self.state = ReceiverState.AWAIT_BEGIN
-        self.decoder = FrameDecoder(config.limits, reuse_payload_buffer=True, payload_gate=self._admit_payload)
+        self.decoder = FrameDecoder(config.limits, reuse_payload_buffer=True, payload_gate=self._admit_payload, payload_buffers=payload_buffers)
         self.manifest: Optional[BeginManifestV2] = None
         #: The begin that was parsed, admitted or not (receipts name the transfer_id and
         #: generation of a refused begin; ``manifest`` is set only once it is admitted).

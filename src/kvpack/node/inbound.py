@@ -219,7 +219,10 @@ class InboundRun:
         link = pending.link
         cfg = link.config
         self.shared = pending.install_for(self.count, self._open_install, self._scatter)
-        self.sink = StripeSink(self.shared, self.index)
+        # segments are written into the install on the node's install pool while the next
+        # one is read (two payload buffers, see kvpack.node.striping); no pool: inline
+        install_pool = getattr(node, "install_executor", None)
+        self.sink = StripeSink(self.shared, self.index, install_pool)
         self.gate = LedgerGate(link.guard, node.metrics.reservation)
         expectations = AdmissionExpectations(
             identity=node.exact,
@@ -237,6 +240,7 @@ class InboundRun:
             now_unix_ms=pending.t0_ms,
             held_token_ids=pending.held_tokens,
             hash_executor=node.hash_executor,
+            payload_buffers=1 if install_pool is None else 2,
         )
         self.stamps: dict[str, int | str] = {"connected_unix_ns": t_conn, "tls_verified_unix_ns": time.time_ns()}
         self.perf: dict[str, float] = {"begin_wait0": time.perf_counter()}

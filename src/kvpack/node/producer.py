@@ -20,8 +20,9 @@ Figure 30.1 of seed 003, steps 1-6 and the answer, from this side:
 4. each stripe's begin (deferred mode, as upstream's resident producer; ``prefix_cut`` when
    the receiver armed a delta valid for this prompt) leaves at once;
 5. each tile leaves as soon as the prefill chunk that completes it ran, on the stripe it
-   belongs to (tile ``j`` on stripe ``j mod k``): a sender thread per stripe hashes and
-   writes it while the next chunk computes;
+   belongs to (tile ``j`` on stripe ``j mod k``): per stripe, a framing thread packs (a
+   resident tile) and hashes it while the stripe's writer thread encrypts and writes the
+   tile before it, and the next prefill chunk computes meanwhile;
 6. every stripe seals and awaits exactly one ACK; then ``committed`` with the C.14 receipt.
 
 Cache bytes never ride the control channel: control messages are the request, ``accepted``
@@ -137,6 +138,8 @@ class _StripeOut:
     sender: Sender
     channel: Any
     q: "queue.Queue[Any]" = field(default_factory=lambda: queue.Queue(maxsize=4))  # bounded: prefill never runs far ahead
+    #: framed buffers for the writer thread: one framed tile waits while one is written
+    out: "queue.Queue[Any]" = field(default_factory=lambda: queue.Queue(maxsize=1))
     wire_ns: int = 0
     first_segment_ns: int = 0
     acked_ns: int = 0
@@ -516,22 +519,53 @@ class _Job:
         stripe.wire_ns += time.perf_counter_ns() - t
 
     def _stripe_loop(self, stripe: _StripeOut) -> None:
-        """Hash, frame and write this stripe's tiles; then seal and await its one ack."""
+        """Pack, hash and frame this stripe's tiles (its writer thread encrypts and writes
+        them meanwhile); then seal, and await its one ack."""
+        writer = threading.Thread(target=self._writer_loop, args=(stripe,), name=f"kvpack-producer-write-{stripe.index}", daemon=True)
+        writer.start()
         try:
-            while True:
-                item = stripe.q.get()
-                if item is None:
-                    break
-                payload, seg = item
-                if callable(payload):  # a tile of a resident prefix: packed here, in parallel
-                    payload = payload()
-                self._write(stripe, stripe.sender.send_segment(payload, seg))
-                if not stripe.first_segment_ns:
-                    stripe.first_segment_ns = time.time_ns()
-            self._write(stripe, stripe.sender.seal())
+            try:
+                while True:
+                    item = stripe.q.get()
+                    if item is None:
+                        break
+                    payload, seg = item
+                    if callable(payload):  # a tile of a resident prefix: packed here, in parallel
+                        payload = payload()
+                    self._to_writer(stripe, (stripe.sender.send_segment(payload, seg), True))
+                self._to_writer(stripe, (stripe.sender.seal(), False))
+            finally:
+                stripe.out.put(None)  # a failed writer drains its queue: this never blocks for long
+            writer.join()
+            if stripe.error is not None:
+                return
             self._await_ack(stripe)
         except BaseException as exc:  # noqa: BLE001 - reported by the job thread (_check)
+            if stripe.error is None:
+                stripe.error = exc
+
+    def _to_writer(self, stripe: _StripeOut, item: Any) -> None:
+        while True:
+            if stripe.error is not None:
+                raise stripe.error
+            try:
+                stripe.out.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    def _writer_loop(self, stripe: _StripeOut) -> None:
+        """Write framed buffers in order (TLS encryption releases the GIL)."""
+        try:
+            while (item := stripe.out.get()) is not None:
+                buffers, is_segment = item
+                self._write(stripe, buffers)
+                if is_segment and not stripe.first_segment_ns:
+                    stripe.first_segment_ns = time.time_ns()
+        except BaseException as exc:  # noqa: BLE001 - the framing thread and the job report it
             stripe.error = exc
+            while stripe.out.get() is not None:  # keep the framing thread from blocking
+                pass
 
     def _await_ack(self, stripe: _StripeOut) -> None:
         stripe.channel.settimeout(ACK_WAIT_S)

@@ -227,6 +227,8 @@ class ReceiverNode:
         self._sock: Optional[socket.socket] = None
         self.data_port: Optional[int] = None
         self.hash_executor: Optional[ThreadPoolExecutor] = None
+        #: writes verified segments into installs while their connections read on
+        self.install_executor: Optional[ThreadPoolExecutor] = None
         self.slots: Optional[DecodeSlots] = None
         self._bound = False
         #: unsolicited links: named sessions and concurrent transfers
@@ -300,6 +302,8 @@ class ReceiverNode:
         self.slots = DecodeSlots(engine.new_session, self.decode_slot_count)
         # the handoff core hashes on the executor its driver passes (kvpack.handoff.hashing)
         self.hash_executor = ThreadPoolExecutor(max_workers=hash_workers(), thread_name_prefix="kvpack-receiver-hash")
+        # one write in flight per data connection (kvpack.node.striping.StripeSink)
+        self.install_executor = ThreadPoolExecutor(max_workers=MAX_STRIPES, thread_name_prefix="kvpack-receiver-install")
         assert self._sock is not None
         self.listener = Listener(
             "receiver-data",
@@ -340,8 +344,9 @@ class ReceiverNode:
         self._sock = None
         if self.api is None and self._api_socket is not None:
             self._api_socket.close()
-        if self.hash_executor is not None:
-            self.hash_executor.shutdown(wait=False, cancel_futures=True)
+        for pool in (self.hash_executor, self.install_executor):
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
         self.metrics.close()
         for link in self.links:
             link.ledger.close()

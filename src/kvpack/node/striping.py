@@ -20,6 +20,15 @@ stripes *without weakening anything*:
   and commits it; only then do the stripes acknowledge. Any stripe's refusal (or the
   deadline) aborts the install for all: nothing is installed, every stripe is refused.
 
+Writes: an install that declares ``concurrent_row_writes`` (disjoint rows from several
+threads are safe: the arrays engine) takes every stripe's segments at once; any other
+install takes one write at a time. A stripe's sink may write a segment *asynchronously*
+(on the node's install pool) while its connection reads the next one -- the handoff
+receiver then keeps two payload buffers (``payload_buffers=2``) and the sink waits for the
+previous write before it starts the next, before ``prepare`` and before ``abort``, so a
+payload buffer is never refilled while it is still being written from. An abort waits for
+the writes in flight before the install is dropped.
+
 What it must never do: commit before every stripe verified and reserved, acknowledge a
 stripe whose install did not commit, or accept a stripe of another prompt into the install.
 """
@@ -29,6 +38,7 @@ from __future__ import annotations
 import re
 import threading
 import time
+from concurrent.futures import Executor, Future
 from typing import Any, Callable, Optional
 
 from ..errors import EngineError, ProtocolError
@@ -85,6 +95,9 @@ class SharedInstall:
         self._key: Optional[tuple] = None
         self._cond = threading.Condition()
         self._write_lock = threading.Lock()
+        self._writers = threading.Condition()  # writes in flight (``_active``) vs an abort
+        self._active = 0
+        self.concurrent = False  # set from the install once it is open
         self.joined: set[int] = set()
         self.arrived: set[int] = set()
         self.failed: Optional[str] = None
@@ -99,16 +112,27 @@ class SharedInstall:
                 raise ProtocolError("sequence", f"stripe {index} of {self.count} joined twice or out of range")
             if self.install is None:
                 self.install = self._open(manifest, prefix_cut)
+                self.concurrent = bool(getattr(self.install, "concurrent_row_writes", False))
                 self._key = key
             elif key != self._key:
                 raise ProtocolError("identity", f"stripe {index} describes another prompt, identity or key than the first stripe")
             self.joined.add(index)
 
     def write(self, descriptor: SegmentDescriptorV2, payload: memoryview) -> None:
-        with self._write_lock:  # installs are not required to take concurrent writers
-            if self.failed is not None:
-                raise ProtocolError("sink", f"another stripe was refused: {self.failed}", remote=False)
-            self._scatter(self.install, descriptor, payload)
+        if not self.concurrent:
+            with self._write_lock:  # installs are not required to take concurrent writers
+                self._raise_if_failed()
+                self._scatter(self.install, descriptor, payload)
+            return
+        with self._writers:
+            self._raise_if_failed()
+            self._active += 1
+        try:
+            self._scatter(self.install, descriptor, payload)  # disjoint rows: stripes at once
+        finally:
+            with self._writers:
+                self._active -= 1
+                self._writers.notify_all()
 
     def arrive(self, index: int) -> None:
         """Stripe ``index`` verified its seal and reserved its generation: wait until every
@@ -151,7 +175,10 @@ class SharedInstall:
     def _fail_locked(self, reason: str) -> None:
         if self.committed or self.failed is not None:
             return
-        self.failed = reason[:500]
+        with self._writers:
+            self.failed = reason[:500]  # no write starts from here on
+            while self._active:  # writes in flight are bounded copies: let them end
+                self._writers.wait(1.0)
         if self.install is not None:
             with self._write_lock:
                 try:
@@ -167,20 +194,36 @@ class SharedInstall:
 
 class StripeSink:
     """The handoff ``Sink`` of one stripe (``count == 1``: a plain transfer) over a
-    :class:`SharedInstall`: ``commit`` is the stripe's arrival at the commit barrier."""
+    :class:`SharedInstall`: ``commit`` is the stripe's arrival at the commit barrier.
 
-    def __init__(self, shared: SharedInstall, index: int) -> None:
+    With ``executor`` a segment is written there while the connection reads the next one
+    (the receiver must then run with ``payload_buffers=2``); at most one write is in flight."""
+
+    def __init__(self, shared: SharedInstall, index: int, executor: Optional[Executor] = None) -> None:
         self.shared = shared
         self.index = index
+        self.executor = executor
+        self._inflight: Optional[Future[None]] = None
         self.t: dict[str, float] = {}
 
     def begin(self, manifest: BeginManifestV2, prefix_cut: int) -> None:
         self.shared.join(self.index, manifest, prefix_cut)
 
     def write_segment(self, descriptor: SegmentDescriptorV2, payload: memoryview) -> None:
-        self.shared.write(descriptor, payload)
+        self._settle()  # the previous segment's buffer is free only once its write ended
+        if self.executor is None:
+            self.shared.write(descriptor, payload)
+            return
+        self._inflight = self.executor.submit(self.shared.write, descriptor, payload)
+
+    def _settle(self) -> None:
+        """Wait for the write in flight; its failure is this stripe's refusal."""
+        pending, self._inflight = self._inflight, None
+        if pending is not None:
+            pending.result()
 
     def prepare(self) -> None:
+        self._settle()
         # this stripe's share is complete (the schedule witness proved it at the seal); the
         # whole install's completeness is proven once, at the barrier
         self.t["prepare0"] = self.t["prepare1"] = time.perf_counter()
@@ -191,4 +234,8 @@ class StripeSink:
         self.t["commit1"] = time.perf_counter()
 
     def abort(self) -> None:
+        try:
+            self._settle()
+        except Exception:  # noqa: BLE001 - the refusal that got us here is what counts
+            pass
         self.shared.fail(f"stripe {self.index} refused")

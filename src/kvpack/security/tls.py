@@ -358,6 +358,14 @@ class TlsChannel:
         self.bytes_received += n
         return n
 
+    def has_pending(self) -> bool:
+        """Bytes read ahead (during the handshake) that :meth:`recv_into` hands out first."""
+        return bool(self._pending)
+
+    def read_error(self, exc: ssl.SSLError) -> Exception:
+        """The typed error of a TLS read failure (for drivers reading ``sock`` directly)."""
+        return map_tls_error(exc, stage="read", peer=self.peer_address)
+
     def recv(self, bufsize: int) -> bytes:
         buf = bytearray(bufsize)
         n = self.recv_into(buf)
