@@ -50,7 +50,9 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=os.cpu_count())
     ap.add_argument("--store-dir", default=None)
     ap.add_argument(
-        "--variants", default="default,threads,host_tail,workers_8", help="threads: no reader processes; also: waves_32 (a new ring: pins its staging once)"
+        "--variants",
+        default="default,threads,host_tail,workers_8",
+        help="comma-separated; each is default or parts joined by '+': threads (no reader processes), host_tail, workers_N, waves_N, staging_mib_N, streams_N (a new ring geometry pins its staging once)",
     )
     ap.add_argument("--out", default=None)
     ap.add_argument("--device", default="cuda")
@@ -60,6 +62,7 @@ def main() -> None:
 
     from bench_gpu import build_model, planes_equal  # the benchmark's own model builder
 
+    from kvpack.engine import device_verify
     from kvpack.engine.transformers_adapter import TransformersEngine
     from kvpack.store import PackStore
 
@@ -107,16 +110,26 @@ def main() -> None:
             save = store.save(s)
             hit = store.find_deepest(tokens, engine.layout, engine.ids())
             checked = False
+            default_waves, default_staging, default_streams = store.device_waves, store.device_staging_bytes, device_verify.MAX_STREAMS
             for variant in args.variants.split(","):
-                store.workers, store.device_host_tail, store.device_waves, store.read_processes = args.workers, 0, 16, "auto"
-                if variant == "threads":
-                    store.read_processes = "never"
-                elif variant == "host_tail":
-                    store.device_host_tail = None
-                elif variant.startswith("workers_"):
-                    store.workers = int(variant.split("_")[1])
-                elif variant.startswith("waves_"):
-                    store.device_waves = int(variant.split("_")[1])
+                store.workers, store.device_host_tail, store.device_waves, store.read_processes = args.workers, 0, default_waves, "auto"
+                store.device_staging_bytes = default_staging
+                device_verify.MAX_STREAMS = default_streams
+                for part in variant.split("+"):  # e.g. waves_8+host_tail
+                    if part == "threads":
+                        store.read_processes = "never"
+                    elif part == "host_tail":
+                        store.device_host_tail = None
+                    elif part.startswith("workers_"):
+                        store.workers = int(part.split("_")[1])
+                    elif part.startswith("waves_"):
+                        store.device_waves = int(part.split("_")[1])
+                    elif part.startswith("staging_mib_"):
+                        store.device_staging_bytes = int(part.split("_")[2]) << 20
+                    elif part.startswith("streams_"):
+                        device_verify.MAX_STREAMS = int(part.split("_")[1])
+                    elif part != "default":
+                        raise SystemExit(f"unknown variant part {part!r}")
                 times, phases, hashed = [], [], None
                 for _ in range(args.repeat):
                     sync()

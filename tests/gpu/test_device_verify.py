@@ -57,6 +57,33 @@ def test_device_verified_restore_is_bit_identical(tmp_path, model, encrypted):
     assert _ring_idle(eng.device, store.wave_chunks)
 
 
+def test_restore_timeline_records_every_wave_in_order(tmp_path, monkeypatch):
+    """KVPACK_RESTORE_TIMELINE: one JSON line per restore, one row per wave, each wave's
+    reads done before it launched and its hash seen before its install was queued."""
+    import json
+
+    path = os.path.join(tmp_path, "timeline.jsonl")
+    monkeypatch.setenv("KVPACK_RESTORE_TIMELINE", path)
+    eng = llama_engine("f32")
+    tokens = random_tokens(384, eng.layout.vocab_size)
+    s = eng.new_session()
+    s.prefill(tokens)
+    store = _store(tmp_path)
+    store.save(s)
+    r = eng.new_session()
+    report = store.restore(store.find_deepest(tokens, eng.layout, eng.ids()), r, tokens)
+    with open(path) as fh:
+        lines = [json.loads(line) for line in fh]
+    assert len(lines) == 1
+    rows = lines[0]
+    assert sorted(row["wave"] for row in rows) == list(range(report.phases["device_waves"]))
+    assert sum(row["chunks"] for row in rows) == report.chunks_verified
+    for row in rows:
+        assert row["submit"] <= row["submitted"] <= row["launch"] <= row["hash_seen"] <= row["install_queued"]
+        assert row["reads_done"] <= row["launched"]
+    assert r.cache_digest() == s.cache_digest()
+
+
 @pytest.mark.parametrize("tail", [1, 7, 10_000])
 def test_device_verify_hands_the_tail_to_the_host(tmp_path, tail):
     """The last ``device_host_tail`` chunks are verified completely on the host (their raw

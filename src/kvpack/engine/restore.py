@@ -34,6 +34,7 @@ from ..format import constants as C
 from ..format.objects import ChunkRef, Manifest, Span, StateKey
 from ..errors import StoreError
 from .contract import DeviceVerification, PlaneStaging
+from .lazy_torch import load_torch as _torch
 
 Buffer = Union[bytes, memoryview]
 #: Longest a restore waits for one batch of chunk reads and checks.
@@ -95,8 +96,11 @@ class RestoreTuning:
     #: device verify: waves in the ring (reads run ahead into free ones while older ones
     #: hash; spread over at most 8 streams), the staging they share (pinned host memory and
     #: as much device memory), and at most how many objects one wave holds (None: up to
-    #: ``MAX_WAVE_CHUNKS``, packed by size; a number: that many of the largest objects each)
-    device_waves: int = 16
+    #: ``MAX_WAVE_CHUNKS``, packed by size; a number: that many of the largest objects each).
+    #: 8 waves, not 16: on the H200 at most 4 waves hash at once whatever the stream count
+    #: (a wave's digest copy waits for its kernel and holds the hardware queue it shares),
+    #: so fewer, larger waves finish sooner (docs/bench/h200_20261202_wave_timeline.md)
+    device_waves: int = 8
     device_staging_bytes: int = field(default_factory=lambda: int(os.environ.get("KVPACK_DEVICE_STAGING_BYTES", str(4 << 30))))
     wave_chunks: int | None = None
     #: device verify: read and check chunks in reader processes (kvpack.engine.chunk_readers):
@@ -384,6 +388,78 @@ class PlanePipeline:
         return PipelineResult(self.verified, self.nbytes, {"host": len(jobs)}, pipeline="planes")
 
 
+class _Timeline:
+    """Per-wave timestamps of one device-verified restore (host clock, and CUDA timing
+    events for the upload and hash), appended as one JSON line to the file named by
+    ``KVPACK_RESTORE_TIMELINE``: a profiling aid for benchmarks, off by default."""
+
+    def __init__(self, path: str, ring: Any) -> None:
+        self.path, self.ring = path, ring
+        self.t0 = time.perf_counter()
+        self.rows: list[dict[str, Any]] = []
+        self.events: dict[int, tuple] = {}  # row number -> CUDA timing events
+        self.current: dict[int, int] = {}  # id(wave) -> its row in this restore (waves are reused)
+        self.ref: Any = None
+        if ring.cuda:
+            torch = _torch()
+            self.ref = torch.cuda.Event(enable_timing=True)
+            self.ref.record()
+
+    @classmethod
+    def open(cls, ring: Any) -> "_Timeline | None":
+        path = os.environ.get("KVPACK_RESTORE_TIMELINE")
+        return cls(path, ring) if path else None
+
+    def _now(self) -> float:
+        return round(time.perf_counter() - self.t0, 5)
+
+    def submitted(self, wave: Any, futs: list, t_submit: float, count: int) -> None:
+        key = self.current[id(wave)] = len(self.rows)
+        row = {"wave": key, "chunks": count, "submit": round(t_submit - self.t0, 5), "submitted": self._now()}
+        self.rows.append(row)
+        pending = [len(futs)]
+        lock = threading.Lock()
+
+        def done(_f: Future) -> None:
+            with lock:
+                pending[0] -= 1
+                if pending[0] == 0:
+                    row["reads_done"] = self._now()
+
+        for f in futs:
+            f.add_done_callback(done)
+
+    def mark(self, wave: Any, name: str) -> None:
+        if id(wave) in self.current:
+            self.rows[self.current[id(wave)]][name] = self._now()
+
+    def launching(self, wave: Any) -> None:
+        self.mark(wave, "launch")
+        if self.ring.cuda:
+            torch = _torch()
+            ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            ev[0].record(wave.stream)
+            self.events[self.current[id(wave)]] = ev
+
+    def launched(self, wave: Any) -> None:
+        self.mark(wave, "launched")
+        key = self.current.get(id(wave))
+        if key in self.events:
+            self.events[key][1].record(wave.stream)
+
+    def write(self) -> None:
+        import json
+
+        if self.ref is not None:
+            _torch().cuda.synchronize()
+            for key, (start, queued) in self.events.items():
+                row = self.rows[key]
+                row["gpu_upload_start"] = round(self.ref.elapsed_time(start) / 1e3, 5)
+                row["gpu_queued_done"] = round(self.ref.elapsed_time(queued) / 1e3, 5)
+        with open(self.path, "a") as fh:
+            fh.write(json.dumps(self.rows, sort_keys=True) + "\n")
+
+
 class DeviceVerifiedPipeline:
     """Restore with the two long hashes on the device (kvpack.engine.device_verify).
 
@@ -397,8 +473,9 @@ class DeviceVerifiedPipeline:
 
     #: waves a restore is spread over at least (each hashes while later ones are read)
     MIN_WAVES = 8
-    #: objects one worker task reads and checks (fewer task submissions, same parallelism)
-    BATCH = 8
+    #: most objects one worker task reads and checks: a wave is split into about one task
+    #: per worker (each message costs the installing thread a pickle and a pipe write)
+    BATCH = 32
 
     def __init__(self, source: ChunkSource, install: Any, layout: Any, tuning: RestoreTuning, ring: Any) -> None:
         from ..format.identity import hmac_sha256_pads
@@ -413,7 +490,17 @@ class DeviceVerifiedPipeline:
         self.verified = self.nbytes = 0
         self.hashed_on = {"device": 0, "host": 0}
         # where this thread's time goes (reported in RestoreReport.phases as device_*_s)
-        self.spent = {"device_wait_reads_s": 0.0, "device_launch_s": 0.0, "device_wait_hash_s": 0.0, "device_check_s": 0.0, "device_install_s": 0.0}
+        self.spent = {
+            "device_plan_s": 0.0,
+            "device_submit_s": 0.0,
+            "device_wait_reads_s": 0.0,
+            "device_launch_s": 0.0,
+            "device_wait_hash_s": 0.0,
+            "device_check_s": 0.0,
+            "device_install_s": 0.0,
+        }
+        #: per-wave timestamps when KVPACK_RESTORE_TIMELINE names a file (a diagnostic)
+        self.timeline: Any = _Timeline.open(ring)
         self.reading: deque[tuple] = deque()  # (wave, jobs, futures): reads queued, in order
         self.launched: deque[tuple] = deque()  # hashes queued, in order
         self.held: list[Any] = []
@@ -434,7 +521,7 @@ class DeviceVerifiedPipeline:
     def submit_reads(self, pool: Any, wave: Any, group: list[ChunkJob], start: int, first_host: int) -> list[Future]:
         """Futures of the wave's reads and host checks, in batches: on the reader processes
         when there are any, else on the threads."""
-        batch = max(1, min(self.BATCH, len(group) // self.tuning.workers))
+        batch = max(1, min(self.BATCH, -(-len(group) // self.tuning.workers)))
         if self.readers is None:
             return [pool.submit(self.read_batch, wave, group, lo, min(lo + batch, len(group)), first_host, start) for lo in range(0, len(group), batch)]
         geometry = wave.geometry()
@@ -464,7 +551,11 @@ class DeviceVerifiedPipeline:
                 raise StoreError("io", f"chunk reads did not finish within {READ_DEADLINE_S:.0f} s") from None
         t1 = time.perf_counter()
         self.spent["device_wait_reads_s"] += t1 - t0
+        if self.timeline is not None:
+            self.timeline.launching(wave)
         wave.launch()
+        if self.timeline is not None:
+            self.timeline.launched(wave)
         self.launched.append(entry)
         self.spent["device_launch_s"] += time.perf_counter() - t1
 
@@ -533,7 +624,11 @@ class DeviceVerifiedPipeline:
             self.pump()
             time.sleep(0.0002)
         self.spent["device_wait_hash_s"] += time.perf_counter() - t0
+        if self.timeline is not None:
+            self.timeline.mark(entry[0], "hash_seen")
         self.install_wave(entry)
+        if self.timeline is not None:
+            self.timeline.mark(entry[0], "install_queued")
         self.held.remove(entry[0])
         entry[0].release()
 
@@ -584,6 +679,7 @@ class DeviceVerifiedPipeline:
     def run(self, jobs: list[ChunkJob]) -> PipelineResult:
         from .device_verify import host_tail_chunks, slot_bytes
 
+        t_plan = time.perf_counter()
         tail = self.tuning.device_host_tail
         if tail is None:
             tail = host_tail_chunks(self.ring, self.tuning.workers, max(job.ref.object_bytes for job in jobs))
@@ -594,6 +690,7 @@ class DeviceVerifiedPipeline:
         sizes = [s if s <= self.ring.wave_bytes else slot_bytes(0, 0) for s in sizes]
         ranges = self.plan_waves(sizes)
         self.readers = self.reader_processes(jobs)
+        self.spent["device_plan_s"] += time.perf_counter() - t_plan
         try:
             with ThreadPoolExecutor(self.tuning.workers if self.readers is None else 1) as pool:
                 try:
@@ -602,7 +699,12 @@ class DeviceVerifiedPipeline:
                         self.pump()
                         wave = self.take_wave()
                         wave.plan(sizes[start:stop])
-                        self.reading.append((wave, group, self.submit_reads(pool, wave, group, start, first_host)))
+                        t_submit = time.perf_counter()
+                        futs = self.submit_reads(pool, wave, group, start, first_host)
+                        self.reading.append((wave, group, futs))
+                        self.spent["device_submit_s"] += time.perf_counter() - t_submit
+                        if self.timeline is not None:
+                            self.timeline.submitted(wave, futs, t_submit, len(group))
                     while self.reading or self.launched:
                         self.install_oldest()
                 except BaseException:
@@ -623,6 +725,8 @@ class DeviceVerifiedPipeline:
             # the pool has shut down: no worker writes into these buffers any more
             for wave in self.held:
                 wave.release()
+        if self.timeline is not None:
+            self.timeline.write()
         phases: dict[str, float] = {k: round(v, 4) for k, v in self.spent.items()}
         phases.update(device_waves=len(ranges), device_ring=self.waves, device_read_processes=len(self.readers.workers) if self.readers else 0)
         return PipelineResult(self.verified, self.nbytes, self.hashed_on, phases, pipeline="device")
