@@ -49,14 +49,6 @@ from kvpack.node.wire import TileGeometry, identity_file_json  # noqa: E402
 from kvpack.security.enroll import Cluster  # noqa: E402
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _emit(line: dict, out: str | None) -> None:
     text = json.dumps(line, sort_keys=True)
     print(text, flush=True)
@@ -95,18 +87,36 @@ class Daemon:
 
 
 def _cluster(root: str, engine) -> Cluster:
+    # the enrolled addresses are placeholders: the daemons listen on port 0 (--listen,
+    # --control-listen) and the receiver is told the port its producer reported
     c = Cluster.init(root, identity=identity_file_json(engine))
-    c.enroll_node("decode-a", "receiver", listen=f"127.0.0.1:{_free_port()}")
-    c.enroll_node("prefill-a", "producer", control_listen=f"127.0.0.1:{_free_port()}")
+    c.enroll_node("decode-a", "receiver", listen="127.0.0.1:9")
+    c.enroll_node("prefill-a", "producer", control_listen="127.0.0.1:9")
     return c
 
 
 def _start(args, root: str, cluster: Cluster, decode_slots: int, resident_mib: int) -> tuple[Daemon, Daemon, str]:
     common = ["--engine", args.engine, "--no-store", "--no-metrics"]
     producer = Daemon(
-        ["producer", "--config", cluster.producer_config_path("prefill-a"), *common, "--prefill-slots", str(max(args.sessions_list)), "--max-stripes", "16"],
+        [
+            "producer",
+            "--config",
+            cluster.producer_config_path("prefill-a"),
+            *common,
+            "--control-listen",
+            "127.0.0.1:0",
+            "--prefill-slots",
+            str(max(args.sessions_list)),
+            "--max-stripes",
+            "16",
+        ],
         os.path.join(root, "producer.log"),
     )
+    try:
+        control_port = producer.wait_ready()["control_port"]
+    except BaseException:
+        producer.stop()
+        raise
     sock = os.path.join(tempfile.mkdtemp(prefix="kvbn-"), "r.sock")
     receiver = Daemon(
         [
@@ -114,6 +124,10 @@ def _start(args, root: str, cluster: Cluster, decode_slots: int, resident_mib: i
             "--config",
             cluster.receiver_config_path("decode-a", "prefill-a"),
             *common,
+            "--listen",
+            "127.0.0.1:0",
+            "--producer-control",
+            f"127.0.0.1:{control_port}",
             "--socket",
             sock,
             "--decode-slots",
@@ -123,8 +137,12 @@ def _start(args, root: str, cluster: Cluster, decode_slots: int, resident_mib: i
         ],
         os.path.join(root, "receiver.log"),
     )
-    producer.wait_ready()
-    receiver.wait_ready()
+    try:
+        receiver.wait_ready()
+    except BaseException:
+        receiver.stop()
+        producer.stop()
+        raise
     return producer, receiver, sock
 
 

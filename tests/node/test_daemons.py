@@ -128,3 +128,31 @@ def test_smollm2_daemons_bit_exact_and_delta_equals_full(tmp_path):
     finally:
         for d in daemons:
             d.stop()
+
+
+@pytest.mark.slow
+def test_daemons_on_port_zero_report_their_ports_and_serve(tmp_path):
+    """``--control-listen 127.0.0.1:0`` / ``--listen 127.0.0.1:0``: each daemon reports the
+    port it got in its ready line, and ``--producer-control`` points the receiver at it."""
+    spec = "arrays:4:2:32"
+    engine = load_engine(spec)
+    enrolled = Enrolled(str(tmp_path / "cluster"), engine)
+    common = ["--engine", spec, "--no-store", "--no-metrics"]
+    producer = Daemon(["producer", "--config", enrolled.producer_config_path(), *common, "--control-listen", "127.0.0.1:0"])
+    receiver = None
+    try:
+        control_port = producer.wait_ready()["control_port"]
+        assert control_port not in (0, enrolled.ports["prefill-a"])
+        sock = _socket_path(tmp_path, "r.sock")
+        cfg = enrolled.receiver_config_path()
+        args = ["receiver", "--config", cfg, *common, "--socket", sock, "--listen", "127.0.0.1:0"]
+        receiver = Daemon([*args, "--producer-control", f"127.0.0.1:{control_port}"])
+        assert receiver.wait_ready()["data_port"] not in (0, enrolled.ports["decode-a"])
+        reply = request_local(sock, {"tokens": list(range(1, 300)), "max_new_tokens": 2}, timeout=120)
+        assert reply["ok"] and reply["result"]["plan"]["action"] == "full_transfer"
+        two = Daemon([*args, "--config", enrolled.receiver_config_path(producer="prefill-a"), "--producer-control", "127.0.0.1:1"])
+        assert two.proc.wait(60) != 0 and "--producer-control takes exactly one --config" in two.stderr_text()
+    finally:
+        if receiver is not None:
+            receiver.stop()
+        producer.stop()

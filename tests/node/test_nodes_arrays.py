@@ -311,3 +311,19 @@ def test_wrong_client_certificate_is_refused(nodes, tmp_path):
         n.receiver.wait(pending)
     assert info.value.category in ("pin", "certificate")
     assert n.snapshot() == before
+
+
+def test_a_request_right_after_a_commit_waits_for_the_prefix_being_remembered(nodes, monkeypatch):
+    """The producer remembers a job's prefix after its answer went out; a request that
+    arrives meanwhile waits for it (bounded) instead of recomputing the whole prefix."""
+    real = ProducerNode._remember
+
+    def slow_remember(self, receipt, job):
+        time.sleep(1.5)  # a large prefix being copied into the resident tier
+        real(self, receipt, job)
+
+    monkeypatch.setattr(ProducerNode, "_remember", slow_remember)
+    n = nodes()
+    n.receiver.generate(PROMPT, 2)
+    r2 = n.receiver.generate(FOLLOW, 2)
+    assert r2["transfer"]["producer_receipt"]["prefill_tokens"] == len(FOLLOW) - 1 - 512

@@ -85,6 +85,8 @@ def cmd_receiver(args: argparse.Namespace) -> int:
 
         listen_host, listen_port = parse_socket_address(args.listen, "--listen")
         cfgs = [dataclasses.replace(c, listen_host=listen_host, listen_port=listen_port) for c in cfgs]
+    if args.producer_control:
+        cfgs = [_with_producer_control(cfgs, args.producer_control)]
     cfg = cfgs[0]
     base = os.path.dirname(cfg.path)
     socket_path = args.socket or os.path.join(base, "state", "receiver.sock")
@@ -123,6 +125,21 @@ def cmd_receiver(args: argparse.Namespace) -> int:
     }
     _announce(ready)
     return _serve_until_signal(node.stop)
+
+
+def _with_producer_control(cfgs, address: str):
+    """The one config with its producer's control address replaced (a producer that listens
+    on port 0 reports the port it got in its ready line; this is where it goes)."""
+    import dataclasses
+
+    from ..errors import UsageError
+    from ..security.config import ProducerControl, parse_host_port
+
+    if len(cfgs) != 1 or cfgs[0].producer_control is None:
+        raise UsageError("usage", "--producer-control takes exactly one --config, with producer_control")
+    host, port = parse_host_port(address, "--producer-control")
+    old = cfgs[0].producer_control
+    return dataclasses.replace(cfgs[0], producer_control=ProducerControl(address, host, port, old.server_name))
 
 
 def cmd_receive(args: argparse.Namespace) -> int:
@@ -180,6 +197,13 @@ def cmd_producer(args: argparse.Namespace) -> int:
 
     _refuse_ignored_daemon_flags(args)
     cfg = load_producer_config(args.config)
+    if args.control_listen:
+        import dataclasses
+
+        from ..security.config import parse_socket_address
+
+        host, port_number = parse_socket_address(args.control_listen, "--control-listen")
+        cfg = dataclasses.replace(cfg, control_listen_host=host, control_listen_port=port_number)
     base = os.path.dirname(cfg.path)
     metrics_host, metrics_tls = _metrics_listener(args, cfg.control_endpoint())
     store = None if args.no_store else _store(args.store, os.path.join(base, "state", "store"))
@@ -388,6 +412,10 @@ def register(sub) -> None:
         type=socket_address(),
         help="override the config's listen address (ip:port; port 0 picks a free one and advertises it; default: the config's)",
     )
+    p.add_argument(
+        "--producer-control",
+        help="override the producer's control address (host:port, one --config only; e.g. the control_port a producer on port 0 reported)",
+    )
     p.set_defaults(func=cmd_receiver, extras=("node",))
 
     p = sub.add_parser("producer", help="run the prefill node (Handoff V2 producer) daemon")
@@ -396,6 +424,11 @@ def register(sub) -> None:
     p.add_argument("--prefill-slots", type=int_range(1, 256), default=4, help="requests prefilled at once (more are answered failed: busy)")
     p.add_argument("--max-stripes", type=int_range(1, 16), default=8, help="most connections one handoff is striped over when a receiver asks")
     p.add_argument("--pacing-bytes-per-s", type=positive_float, help="pace data writes (upstream paces at 1e9 B/s; default: unpaced)")
+    p.add_argument(
+        "--control-listen",
+        type=socket_address(),
+        help="override the config's control listen address (ip:port; port 0 picks a free one, reported as control_port in the ready line)",
+    )
     p.set_defaults(func=cmd_producer, extras=("node",))
 
     p = sub.add_parser("request", help="ask a running decode node to complete a prompt")

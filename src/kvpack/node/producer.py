@@ -75,6 +75,8 @@ from .wire import TileGeometry, copy_prefix, pack_tile, span_layout, wire_identi
 EXPIRY_MS = 900_000  # errata H3: prefilld's begin expires 900 s after creation
 MAX_ERROR = 1024
 ACK_WAIT_S = 60.0
+#: the longest a request waits for an earlier job's prefix to enter the resident tier
+REMEMBER_WAIT_S = 10.0
 
 
 class GenerationLedger:
@@ -190,6 +192,9 @@ class ProducerNode:
         self.slot_wait_s = slot_wait_s
         self.request_read_s = request_read_s
         self._slots = threading.BoundedSemaphore(max(1, prefill_slots))
+        #: jobs whose prefix is being remembered (resident copy, store saves) after their reply
+        self._remembering = 0
+        self._remembered = threading.Condition()
         self.prefill_slots = max(1, prefill_slots)
         self.ledger: Optional[GenerationLedger] = None
         self.listener: Optional[Listener] = None
@@ -281,7 +286,12 @@ class ProducerNode:
             if "receipt_path" not in receipt:
                 receipt["receipt_path"] = self.receipts.write({k: v for k, v in receipt.items() if not k.startswith("_")})
             if job is not None:
-                self._remember(receipt, job)  # off the critical path: the reply went out
+                try:
+                    self._remember(receipt, job)  # off the critical path: the reply went out
+                finally:
+                    with self._remembered:
+                        self._remembering -= 1
+                        self._remembered.notify_all()
 
     def _read_request(self, ctl, frames: list) -> tuple[str, Any]:
         """``(id to echo, raw request)``: at most ``MAX_REQUEST_BYTES`` within the read
@@ -351,10 +361,24 @@ class ProducerNode:
         receipt.update(verdict="committed", receipt=job.control_receipt.to_json())
         receipt["receipt_path"] = self.receipts.write(dict(receipt))
         self.metrics.transfer("committed", job.control_receipt.payload_bytes)
+        with self._remembered:  # counted before the answer: a next request sees it
+            self._remembering += 1
         receipt["_job"] = job
         ctl.sendall(data)
 
     # -- reuse ----------------------------------------------------------------------------
+
+    def _await_remembered(self, wait_s: float = REMEMBER_WAIT_S) -> None:
+        """A request that arrives while an earlier job's prefix is still being remembered
+        waits for it (bounded): recomputing a prefix costs more than the copy in flight (a
+        client that sends its next turn at once would otherwise miss its own prefix)."""
+        end = time.monotonic() + wait_s
+        with self._remembered:
+            while self._remembering > 0:
+                left = end - time.monotonic()
+                if left <= 0:
+                    return
+                self._remembered.wait(left)
 
     def _reuse_plan(self, prompt: list[int]) -> tuple[int, str, Any]:
         """The deepest 256-aligned prefix this node already computed, leaving at least one
@@ -366,6 +390,7 @@ class ProducerNode:
         limit = align_tokens_down(position - 1)
         if limit <= 0:
             return 0, "none", None
+        self._await_remembered()
         held = self.resident.lookup(self.identity_digest, prompt[: limit + 1])  # 'prompt' of limit rows + 1
         best_res = 0 if held is None else min(held.matched, limit)
         best_res = align_tokens_down(best_res)
