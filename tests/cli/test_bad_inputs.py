@@ -427,6 +427,12 @@ RUNTIME_CASES = [
     _c("receiver --no-metrics with --cluster-dir", ["receiver", "--config", "{rcfg}", "--no-metrics", "--cluster-dir", "{cluster}"], 2, "usage"),
     _c("request --raw with --tokens-file", ["request", "--socket", "{stale_sock}", "--tokens-file", "{tokens}", "--raw"], 2, "usage"),
     _c(
+        "migrate --no-wait with --timeout",
+        ["migrate", "s1", "--to", "local", "--mode", "copy", "--config", "{node_json}", "--no-wait", "--timeout", "5"],
+        2,
+        "usage",
+    ),
+    _c(
         "transcode --hex with --out", ["transcode", "manifest", "{objects}/fixture/raw/plain/plain/manifest", "--out", "{root}/tx-ignored", "--hex"], 2, "usage"
     ),
     # daemon configs

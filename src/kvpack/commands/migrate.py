@@ -44,7 +44,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--transfer-id", type=ident, help=f"transfer id ({ID_HELP}; default: the node picks one)")
     p.add_argument("--config", required=True, type=existing_file, help="the local decode node's config file (node.json)")
     p.add_argument("--no-wait", action="store_true", help="return after the node accepted the transfer")
-    p.add_argument("--timeout", type=duration, default=3600.0, help="seconds to wait for a final status")
+    p.add_argument("--timeout", type=duration, default=None, help="seconds to wait for a final status (default: 3600; not with --no-wait)")
     p.set_defaults(func=cmd_migrate, extras=("node",))
 
     t = sub.add_parser("transfer", help="session transfer status and reconciliation")
@@ -162,6 +162,11 @@ def _print(view: dict, as_json: bool) -> None:
 
 
 def cmd_migrate(args) -> int:
+    from ._args import refuse_ignored
+
+    if args.no_wait:
+        refuse_ignored([("--timeout", args.timeout is not None)], because="--no-wait (nothing is waited for)")
+    timeout = 3600.0 if args.timeout is None else args.timeout
     to = args.to
     if to.startswith("storage:"):
         tier, destination = "storage", to[len("storage:") :]
@@ -175,7 +180,7 @@ def cmd_migrate(args) -> int:
     with NodeClient(args.config) as node:
         view = node.request("POST", f"/v1/sessions/{args.session}/migrate", json=body)
         if not args.no_wait:
-            view = node.wait(view["id"], args.timeout, show=not args.json)
+            view = node.wait(view["id"], timeout, show=not args.json)
     _print(view, args.json)
     if not args.no_wait:
         _final(view, SUCCESS)

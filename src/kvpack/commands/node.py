@@ -461,7 +461,9 @@ def register(sub) -> None:
         type=positive_float,
         help="refuse to start when the worst of 20 ledger reservations on the ledger's volume exceeds this (default: 100)",
     )
-    p.add_argument("--once", action="store_true", required=True, help="receive one transfer and exit (the long-running form is kvpack receiver)")
+    p.add_argument(
+        "--once", action="store_true", help="accepted for older scripts: receive always takes one transfer and exits (the long-running form is kvpack receiver)"
+    )
     p.add_argument("--timeout", type=duration, default=900.0, help="seconds to wait for an admitted transfer")
     p.set_defaults(func=cmd_receive, extras=("node",))
 
