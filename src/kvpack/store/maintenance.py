@@ -22,11 +22,12 @@ from __future__ import annotations
 import hashlib
 import json
 import secrets
+import struct
 import time
 from typing import Any
 
 from ..errors import FormatError, StoreError
-from ..format.chunk import ChunkHeader, decode_chunk
+from ..format.chunk import ChunkHeader, decode_chunk, decode_chunk_one_pass
 from ..format.objects import ChunkRef, Manifest
 from .env import GC, RESTORE, ObjectInfo
 from .packstore import Hit, PackStore, chunk_name, index_name, logits_name, pack_name
@@ -144,7 +145,7 @@ class _Checker:
             return {"object": None, "problem": f"chunk {ref.content_id.hex()}: missing", "remove": False}
         args = dict(span=span, tenant=store.tenant, family=manifest.family, key=key, keys=store.keys)
         try:
-            decode_chunk(obj, ref=ref, **args)
+            decode_chunk_one_pass(obj, ref=ref, **args)
             return None
         except FormatError as exc:
             problem = f"chunk {ref.content_id.hex()}: refused {exc.category}: {exc.message}"
@@ -161,7 +162,7 @@ def _valid_for_name(obj: bytes, ref: ChunkRef, args: dict) -> bool:
             return False
         decode_chunk(obj, ref=own, **args)
         return True
-    except (FormatError, ValueError, IndexError):
+    except (FormatError, ValueError, IndexError, struct.error):  # struct: shorter than a header
         return False
 
 

@@ -26,7 +26,7 @@ from ..engine.contract import CacheLayout, SpanExport
 from ..errors import FormatError, StoreError
 from ..format import constants as C
 from ..format.build import build_schema
-from ..format.chunk import ChunkHeader, decode_chunk, encode_chunk, encode_chunk_parts
+from ..format.chunk import ChunkHeader, decode_chunk_one_pass, encode_chunk, encode_chunk_parts
 from ..format.identity import InputCutId, PrefixChain, chunk_content_id
 from ..format.objects import ChunkRef, Manifest, PayloadState
 from ..format.pack import encode_pack
@@ -387,7 +387,7 @@ def _existing_ref(store: PackStore, ctx: _Context, fs: Any, span: Any, name: str
         return None  # damaged or foreign: write a fresh copy over it
     ref = ChunkRef(h.content_id, h.object_key, hashlib.sha256(obj).digest(), h.key_epoch, h.plaintext_bytes, len(obj))
     try:
-        decode_chunk(obj, ref=ref, span=span, tenant=store.tenant, family=ctx.family, key=fs.key, keys=store.keys, family_digest=ctx.family_digest)
+        decode_chunk_one_pass(obj, ref=ref, span=span, tenant=store.tenant, family=ctx.family, key=fs.key, keys=store.keys, family_digest=ctx.family_digest)
     except FormatError:
         return None
     if store.env.gc_grace_s:

@@ -168,6 +168,16 @@ class S3Env(StorageEnv):
             raise StoreError("io", f"s3 {what} {self.location}/{name}: {type(exc).__name__}: {exc}") from None
 
     @staticmethod
+    def _range_not_satisfiable(exc: Exception) -> bool:
+        """A ranged GET of an existing object that starts at or past its end (HTTP 416)."""
+        from botocore.exceptions import ClientError
+
+        if not isinstance(exc, ClientError):
+            return False
+        status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
+        return status == 416 or str(exc.response.get("Error", {}).get("Code", "")) == "InvalidRange"
+
+    @staticmethod
     def _precondition_failed(exc: Exception) -> bool:
         from botocore.exceptions import ClientError
 
@@ -180,7 +190,12 @@ class S3Env(StorageEnv):
     # -- reads -------------------------------------------------------------------------------
     def read(self, name: str) -> bytes:
         with self._call("get", name):
-            resp = self.client.get_object(Bucket=self.bucket, Key=self.key(name), Range=f"bytes=0-{self.range_bytes - 1}")
+            try:
+                resp = self.client.get_object(Bucket=self.bucket, Key=self.key(name), Range=f"bytes=0-{self.range_bytes - 1}")
+            except Exception as exc:
+                if self._range_not_satisfiable(exc):
+                    return b""  # an empty object (a decoder refuses it; a save rewrites it)
+                raise
             first = resp["Body"].read()
         total = _total_from_range(resp.get("ContentRange"), len(first))
         if total <= len(first):
@@ -194,7 +209,12 @@ class S3Env(StorageEnv):
         if length <= 0:
             return b""
         with self._call("get", name):
-            resp = self.client.get_object(Bucket=self.bucket, Key=self.key(name), Range=f"bytes={offset}-{offset + length - 1}")
+            try:
+                resp = self.client.get_object(Bucket=self.bucket, Key=self.key(name), Range=f"bytes={offset}-{offset + length - 1}")
+            except Exception as exc:
+                if self._range_not_satisfiable(exc):
+                    return b""  # the object ends before offset (or is empty)
+                raise
             return resp["Body"].read()
 
     def read_into(self, name: str, region: memoryview) -> tuple[ReadBuffer, int]:
