@@ -234,6 +234,27 @@ def _wire_s(result: dict) -> float:
     return float((t.get("durations_s") or {}).get("wire", 0.0))
 
 
+def _phases(result: dict) -> dict:
+    """A request's time by phase: the receiver's (control, wire and after), the producer's
+    (from its C.14 receipt: prefill, first segment, last ack), in seconds."""
+    t = result.get("transfer") or {}
+    prod = t.get("producer_receipt") or {}
+    out = {k: result.get(k) for k in ("ttft_s", "boundary_s", "decode_s")}
+    out["control_s"] = t.get("control_s")
+    out.update({f"receiver_{k}": v for k, v in (t.get("durations_s") or {}).items() if k != "wire"})
+    start = prod.get("transfer_start_unix_ns")
+    if start:
+        for key, name in (
+            ("prefill_start_unix_ns", "prefill_start"),
+            ("prefill_end_unix_ns", "prefill_end"),
+            ("first_segment_sent_unix_ns", "first_segment"),
+            ("transfer_acked_unix_ns", "acked"),
+        ):
+            if prod.get(key):
+                out[f"producer_{name}_s"] = round((prod[key] - start) / 1e9, 4)
+    return out
+
+
 def bench_handoff(args, sock: str, engine, out: str | None) -> list[dict]:
     geometry = TileGeometry.of(engine.layout)
     per_token = geometry.tile_bytes(1)
@@ -252,7 +273,9 @@ def bench_handoff(args, sock: str, engine, out: str | None) -> list[dict]:
             t = res.get("transfer") or {}
             if not t.get("payload_bytes") or (res.get("plan") or {}).get("action") not in (None, "full_transfer"):
                 raise RuntimeError(f"request {k}/{rep} was not a full transfer: plan {res.get('plan')}")
-            runs.append((dt, _wire_s(res), t.get("payload_bytes", 0), t.get("stripes", 1), (t.get("producer_receipt") or {}).get("prefill_tokens")))
+            runs.append(
+                (dt, _wire_s(res), t.get("payload_bytes", 0), t.get("stripes", 1), (t.get("producer_receipt") or {}).get("prefill_tokens"), _phases(res))
+            )
         dt = statistics.median(r[0] for r in runs)
         wire = statistics.median(r[1] for r in runs)
         payload = runs[0][2]
@@ -269,6 +292,7 @@ def bench_handoff(args, sock: str, engine, out: str | None) -> list[dict]:
                 "wire_gbps": round(payload * 8 / wire / 1e9, 3) if wire else None,
                 "request_gbps": round(payload * 8 / dt / 1e9, 3),
                 "repeat": args.repeat,
+                "phases_s": runs[len(runs) // 2][5],  # where the request's time went (one run)
                 "engine": args.engine,
                 "tile_bytes": geometry.tile_bytes(256),
                 "cpus": os.cpu_count(),

@@ -196,3 +196,16 @@ def test_reused_payload_buffers_alternate_and_a_view_outlives_the_next_segment()
     assert dec.buffered_bytes >= 1002
     with pytest.raises(ValueError):
         FrameDecoder(reuse_payload_buffer=True, payload_buffers=0)
+
+
+def test_payload_buffers_of_an_earlier_stream_are_reused_and_released():
+    kept = bytearray(4096)
+    dec = FrameDecoder(reuse_payload_buffer=True, reuse_buffers=[kept])
+    (frame,) = dec.feed(frame_bytes(Segment(0, memoryview(b"a" * 1000))))
+    assert frame.payload.obj is kept and bytes(frame.payload) == b"a" * 1000
+    assert dec.release_payload_buffers() == [kept]
+    (frame,) = dec.feed(frame_bytes(Segment(1, memoryview(b"b" * 10))))
+    assert frame.payload.obj is not kept  # released: the decoder no longer writes into it
+    small = FrameDecoder(reuse_payload_buffer=True, reuse_buffers=[bytearray(8)])
+    (frame,) = small.feed(frame_bytes(Segment(0, memoryview(b"c" * 100))))
+    assert bytes(frame.payload) == b"c" * 100  # too small a kept buffer is replaced

@@ -327,3 +327,5 @@ def test_a_request_right_after_a_commit_waits_for_the_prefix_being_remembered(no
     n.receiver.generate(PROMPT, 2)
     r2 = n.receiver.generate(FOLLOW, 2)
     assert r2["transfer"]["producer_receipt"]["prefill_tokens"] == len(FOLLOW) - 1 - 512
+    # committed transfers hand their payload buffers to the next ones (kept within a budget)
+    assert 0 < n.receiver.payload_buffers.idle_bytes <= n.receiver.payload_buffers.max_bytes

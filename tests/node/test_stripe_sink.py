@@ -117,3 +117,32 @@ def test_an_abort_waits_for_the_write_in_flight_before_dropping_the_install():
         failer.join(10)
     assert order == ["write ended", "failed"]
     assert shared.install.state == "aborted" and session.position == 0
+
+
+def test_the_payload_buffer_pool_keeps_at_most_its_budget_and_lends_each_buffer_once():
+    from kvpack.node.inbound import PayloadBufferPool
+
+    pool = PayloadBufferPool(300)
+    a, b, c = bytearray(100), bytearray(150), bytearray(200)
+    pool.give([a, b, c])  # the largest first, within the budget: c (200) and a (100)
+    assert pool.idle_bytes == 300
+    taken = pool.take(2)
+    assert {id(x) for x in taken} == {id(a), id(c)} and pool.idle_bytes == 0
+    assert pool.take(2) == []
+
+
+def test_a_refused_receiver_keeps_its_payload_buffers():
+    """Only a committed transfer hands its buffers back (a refused one may still have a
+    cancelled digest lane reading them)."""
+    from kvpack.handoff.receiver import Receiver, ReceiverConfig
+
+    class _Gate:
+        def admit(self, *a):
+            pass
+
+        def reserve(self, *a):
+            pass
+
+    rx = Receiver(ReceiverConfig(b"k" * 32, "kid", 1, layout=None), None, _Gate(), now_unix_ms=0, reuse_buffers=[bytearray(64)])
+    rx.abort("test")
+    assert rx.release_payload_buffers() == []

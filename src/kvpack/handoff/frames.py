@@ -23,7 +23,7 @@ are not required to be canonical (C.7).
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Optional
 
@@ -161,6 +161,7 @@ class FrameDecoder:
         reuse_payload_buffer: bool = False,
         payload_gate: Optional[Callable[[Segment, int], None]] = None,
         payload_buffers: int = 1,
+        reuse_buffers: Sequence[bytearray] = (),
     ) -> None:
         self.limits = limits
         # Called with a parsed segment header and its declared payload length *before* the
@@ -179,6 +180,10 @@ class FrameDecoder:
         if payload_buffers < 1:
             raise ValueError("payload_buffers must be at least 1")
         self._payload_bufs: list[Optional[bytearray]] = [None] * payload_buffers
+        # buffers a driver kept from an earlier stream (no fresh allocation, zero-fill and
+        # page faults per connection); one that is too small for a payload is replaced
+        for i, buf in enumerate(list(reuse_buffers)[:payload_buffers]):
+            self._payload_bufs[i] = buf
         self._next_buf = 0
         self._preamble = bytearray(PREAMBLE_BYTES)
         self._view = memoryview(self._preamble)
@@ -250,6 +255,13 @@ class FrameDecoder:
             if buf is not None:
                 held = max(held, len(buf))
         return held
+
+    def release_payload_buffers(self) -> list[bytearray]:
+        """Hand the reused payload buffers to the caller (for a later decoder) and forget
+        them. Only once nothing reads them any more: the stream is over."""
+        out = [b for b in self._payload_bufs if b is not None]
+        self._payload_bufs = [None] * len(self._payload_bufs)
+        return out
 
     def eof(self) -> None:
         """The stream ended; refuse if a frame was cut short (C.2 "truncated")."""

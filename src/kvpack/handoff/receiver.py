@@ -172,6 +172,7 @@ class Receiver:
         stream_hash_chunk: int = STREAM_HASH_CHUNK,
         hash_executor: Executor = INLINE,
         payload_buffers: int = 1,
+        reuse_buffers: Sequence[bytearray] = (),
     ) -> None:
         """``stream_hash_min``: payloads of at least this many bytes are hashed while they
         arrive, in ranges of ``stream_hash_chunk`` bytes (None: always hash complete
@@ -183,7 +184,8 @@ class Receiver:
         sink's ``k - 1``-th later ``write_segment`` call returns, so a sink may finish
         writing a segment asynchronously while the next one is read, provided it waits for
         that write before that call returns (and in ``prepare``/``abort``); 1: the view
-        is valid only during the call."""
+        is valid only during the call. ``reuse_buffers``: payload buffers of an earlier
+        transfer to take first (see :meth:`release_payload_buffers`)."""
         if stream_hash_chunk < 1 or (stream_hash_min is not None and stream_hash_min < 1):
             raise ValueError("stream hashing sizes must be positive")
         self.config = config
@@ -192,7 +194,9 @@ class Receiver:
         self.now_unix_ms = now_unix_ms
         self.held_token_ids = held_token_ids
         self.state = ReceiverState.AWAIT_BEGIN
-        self.decoder = FrameDecoder(config.limits, reuse_payload_buffer=True, payload_gate=self._admit_payload, payload_buffers=payload_buffers)
+        self.decoder = FrameDecoder(
+            config.limits, reuse_payload_buffer=True, payload_gate=self._admit_payload, payload_buffers=payload_buffers, reuse_buffers=reuse_buffers
+        )
         self.manifest: Optional[BeginManifestV2] = None
         #: The begin that was parsed, admitted or not (receipts name the transfer_id and
         #: generation of a refused begin; ``manifest`` is set only once it is admitted).
@@ -273,6 +277,14 @@ class Receiver:
             pos += k
             effects.extend(self.advance(k))
         return effects
+
+    def release_payload_buffers(self) -> list[bytearray]:
+        """The payload buffers, for a later transfer's receiver -- only once this one
+        committed (every digest lane and sink write finished with them); after a refusal a
+        cancelled lane may still be reading one, so they are dropped with the receiver."""
+        if self.state is not ReceiverState.DONE:
+            return []
+        return self.decoder.release_payload_buffers()
 
     def eof(self) -> None:
         """The peer closed. Refuses (and aborts the sink) unless the transfer committed."""

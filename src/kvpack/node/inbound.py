@@ -55,6 +55,38 @@ FIRST_FRAME_S = 30.0
 FIRST_FRAME_MAX_HEADER = 2 << 20
 
 
+class PayloadBufferPool:
+    """Payload buffers kept between data connections (at most ``max_bytes`` idle), so a
+    transfer does not allocate, zero-fill and page-fault two tile-sized buffers per
+    connection. Only buffers of a committed transfer come back (its receiver hands them out
+    only then); a buffer is in one connection's hands at a time."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._free: list[bytearray] = []
+        self._lock = threading.Lock()
+
+    def take(self, count: int) -> list[bytearray]:
+        with self._lock:
+            self._free.sort(key=len)
+            out = self._free[-count:] if count else []
+            del self._free[len(self._free) - len(out) :]
+            return out
+
+    def give(self, buffers: list[bytearray]) -> None:
+        with self._lock:
+            held = sum(len(b) for b in self._free)
+            for buf in sorted(buffers, key=len, reverse=True):
+                if held + len(buf) <= self.max_bytes:
+                    self._free.append(buf)
+                    held += len(buf)
+
+    @property
+    def idle_bytes(self) -> int:
+        with self._lock:
+            return sum(len(b) for b in self._free)
+
+
 @dataclass
 class Pending:
     """One outstanding request: what its data connections must be, and how it ended.
@@ -223,6 +255,8 @@ class InboundRun:
         # one is read (two payload buffers, see kvpack.node.striping); no pool: inline
         install_pool = getattr(node, "install_executor", None)
         self.sink = StripeSink(self.shared, self.index, install_pool)
+        self.buffers: Optional[PayloadBufferPool] = getattr(node, "payload_buffers", None)
+        buffers = 1 if install_pool is None else 2
         self.gate = LedgerGate(link.guard, node.metrics.reservation)
         expectations = AdmissionExpectations(
             identity=node.exact,
@@ -240,7 +274,8 @@ class InboundRun:
             now_unix_ms=pending.t0_ms,
             held_token_ids=pending.held_tokens,
             hash_executor=node.hash_executor,
-            payload_buffers=1 if install_pool is None else 2,
+            payload_buffers=buffers,
+            reuse_buffers=() if self.buffers is None else self.buffers.take(buffers),
         )
         self.stamps: dict[str, int | str] = {"connected_unix_ns": t_conn, "tls_verified_unix_ns": time.time_ns()}
         self.perf: dict[str, float] = {"begin_wait0": time.perf_counter()}
@@ -277,6 +312,8 @@ class InboundRun:
             self.stamps["ack_unix_ns"] = time.time_ns()
         except (OSError, KvpackError) as exc:  # C.8 step 6: only logged; a retry is a replay
             self.stamps["ack_error"] = str(exc)[:200]
+        if self.buffers is not None:
+            self.buffers.give(self.rx.release_payload_buffers())
         info = self.info()
         self.node.metrics.transfer("committed", committed.total_bytes)
         self.node.metrics.phases(dict(info["durations_s"]))
@@ -405,4 +442,16 @@ def first_frame(node: Any, chan: Any, end: float) -> tuple[bytes, Begin]:
     return raw, frame
 
 
-__all__ = ["FIRST_FRAME_S", "InboundRun", "Outcome", "Pending", "Router", "first_frame", "merge_stripes", "parse_stripe", "PREAMBLE", "PREAMBLE_BYTES"]
+__all__ = [
+    "FIRST_FRAME_S",
+    "InboundRun",
+    "Outcome",
+    "PayloadBufferPool",
+    "Pending",
+    "Router",
+    "first_frame",
+    "merge_stripes",
+    "parse_stripe",
+    "PREAMBLE",
+    "PREAMBLE_BYTES",
+]

@@ -67,7 +67,7 @@ from ..security.tls import DATA_ALPN, TlsEndpoint, client_context, server_contex
 from ..vocab import is_token_aligned
 from .common import greedy, hash_workers, logits_bytes, now_ms, verdict_of
 from .control import EXT_PREFIX_CUT, EXT_STRIPES, MAX_STRIPES, ControlClient, ControlSession, RequestRefused
-from .inbound import FIRST_FRAME_S, InboundRun, Outcome, Pending, Router, first_frame
+from .inbound import FIRST_FRAME_S, InboundRun, Outcome, PayloadBufferPool, Pending, Router, first_frame
 from .ladder import DurableMiss, HeldPrefix, Ladder, Plan, ResidentRadix, RowsSource
 from .ledger_gate import LedgerGuard
 from .local_api import NEVER, ApiLimits, ApiSocket, CancelToken, LocalApi, request_local
@@ -80,6 +80,10 @@ from .transport import Limits, Listener, bind_tcp
 from .wire import TileGeometry, copy_prefix, span_layout, wire_identity
 
 __all__ = ["EXT_PREFIX_CUT", "NamedSessions", "Pending", "ProducerLink", "ReceiverNode", "accept_wait_s", "request_local"]
+
+
+#: idle payload buffers a decode node keeps for the next transfers (two per connection)
+PAYLOAD_POOL_BYTES = 512 << 20
 
 
 def accept_wait_s(cfg: ReceiverConfig, prompt_tokens: int) -> float:
@@ -229,6 +233,8 @@ class ReceiverNode:
         self.hash_executor: Optional[ThreadPoolExecutor] = None
         #: writes verified segments into installs while their connections read on
         self.install_executor: Optional[ThreadPoolExecutor] = None
+        #: payload buffers kept between transfers (idle bytes bounded)
+        self.payload_buffers = PayloadBufferPool(PAYLOAD_POOL_BYTES)
         self.slots: Optional[DecodeSlots] = None
         self._bound = False
         #: unsolicited links: named sessions and concurrent transfers
