@@ -1,0 +1,61 @@
+#!/bin/bash
+# Issue 20 (store writes at disk speed): where an H200-host save loses to the store's own
+# durable write pattern (docs/bench/store_profile.md). CPU only (no GPU is touched); ~150 s.
+#
+# Runs from the repository root of a fresh checkout, like h200_round.sh (src/ on PYTHONPATH,
+# cryptography wheels from $KVPACK_WHEELS, default .perf/whl, when missing). Writes into $OUT:
+#   store_write_w16.jsonl  bench_store_write, 16 store workers (32 writer threads)
+#   store_write_w32.jsonl  the same with 32 workers (64 threads): does more in flight pay?
+#   save_wall.txt          py-spy raw samples (all threads, idle included) of one save round
+#   save_gil.txt           py-spy raw samples of the threads holding the GIL, same round
+#   (the py-spy files only where py-spy is installed)
+# The JSON lines carry save_over_store_pattern (issue 20's goal: >= 0.9) and
+# save_over_hash_then_pattern: near 1, the gap is hashing on the writer threads; well
+# below 1, it is kvpack's per-chunk work and GIL handoffs (save_gil.txt shows which).
+#
+# Invocation (device tool), from the main checkout:
+#   run(command="bash benchmarks/h200_store_profile.sh", carry=[".perf/whl"], timeout_s=300)
+# KVPACK_ROUND_DRY=1 runs the same steps at toy sizes on a CPU (a check of this script).
+set -u -o pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-$PWD/out}
+mkdir -p "$OUT"
+if [ "${KVPACK_ROUND_DRY:-0}" = 1 ]; then
+    SIZE="--gib 0.03125 --repeat 1"
+    PROFILE_SIZE="--gib 0.03125 --repeat 1"
+else
+    SIZE="--gib 1 --repeat 3"
+    PROFILE_SIZE="--gib 1 --repeat 1"
+fi
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+if ! python3 -c "import cryptography" 2>/dev/null; then
+    WHL=${KVPACK_WHEELS:-.perf/whl}
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/kvpack-site "$WHL"/*.whl || {
+        echo "cryptography missing and no wheels in $WHL"
+        exit 2
+    }
+    export PYTHONPATH="$PYTHONPATH:/tmp/kvpack-site"
+fi
+SCRATCH=/var/tmp/kvpack-store-profile-$$
+rm -rf "$SCRATCH"
+mkdir -p "$SCRATCH"
+trap 'rm -rf "$SCRATCH"' EXIT
+uptime | tee "$OUT/uptime.txt"
+for workers in 16 32; do
+    # shellcheck disable=SC2086
+    timeout 90 python3 benchmarks/bench_store_write.py --dir "$SCRATCH/sw" --chunk-mib 2 --workers "$workers" $SIZE \
+        --out "$OUT/store_write_w$workers.jsonl" || echo "bench_store_write --workers $workers rc=$?"
+done
+if command -v py-spy >/dev/null; then
+    for mode in wall gil; do
+        flag="--idle"
+        if [ "$mode" = gil ]; then flag="--gil"; fi
+        # shellcheck disable=SC2086
+        timeout 60 py-spy record -r 200 $flag -f raw -o "$OUT/save_$mode.txt" -- \
+            python3 benchmarks/bench_store_write.py --dir "$SCRATCH/sw" --chunk-mib 2 --workers 16 $PROFILE_SIZE ||
+            echo "py-spy $mode rc=$?"
+    done
+else
+    echo "py-spy not installed: no profile" | tee "$OUT/save_wall.txt"
+fi
+uptime | tee -a "$OUT/uptime.txt"
