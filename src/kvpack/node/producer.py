@@ -475,6 +475,10 @@ class _Job:
         self.checkpoints: dict[int, bytes] = {}
         self.next_tile = 0
         self.control_receipt: Any = None
+        #: queues a resident prefix's tiles while this thread installs that prefix
+        self._feeder: Optional[threading.Thread] = None
+        self._feed_error: Optional[BaseException] = None
+        self._aborting = False
 
     def run(self) -> "_Job":
         node = self.node
@@ -603,6 +607,8 @@ class _Job:
         stripe.acked_ns = time.time_ns()
 
     def _check(self) -> None:
+        if self._aborting:
+            raise _Cancelled()
         for s in self.stripes:
             if s.error is not None:
                 raise s.error
@@ -622,6 +628,7 @@ class _Job:
 
     def _ship_ready(self, s, upto: int) -> None:
         """Queue every scheduled tile whose rows ``s`` holds below ``upto``."""
+        self._join_feeder()  # tiles leave in schedule order: the resident ones first
         self._check()
         while self.next_tile < len(self.schedule):
             seg = self.schedule[self.next_tile]
@@ -629,17 +636,36 @@ class _Job:
                 break
             self._put(pack_tile(s, self.node.geometry, seg), seg)
 
-    def _prefill_and_ship(self) -> tuple[int, str]:
-        node = self.node
-        cut, tier, source = node._reuse_plan(self.prompt)
-        if tier == "resident":
-            # tiles the resident prefix holds leave at once (packed on the stripe threads)
-            # while the prefix is copied into this job's session for the rest of the prefill
+    def _feed_resident(self, cut: int, source: Any) -> None:
+        try:
             while self.next_tile < len(self.schedule):
                 seg = self.schedule[self.next_tile]
                 if seg.logical_start + seg.logical_count > cut:
                     break
-                self._put(lambda seg=seg, geometry=node.geometry: pack_tile(source, geometry, seg), seg)
+                self._put(lambda seg=seg, geometry=self.node.geometry: pack_tile(source, geometry, seg), seg)
+        except BaseException as exc:  # noqa: BLE001 - raised again by _join_feeder
+            self._feed_error = exc
+
+    def _join_feeder(self) -> None:
+        feeder = self._feeder
+        if feeder is None:
+            return
+        while feeder.is_alive():  # each of its waits is bounded (_put polls _check)
+            feeder.join(timeout=0.1)
+        self._feeder = None
+        if self._feed_error is not None:
+            raise self._feed_error
+
+    def _prefill_and_ship(self) -> tuple[int, str]:
+        node = self.node
+        cut, tier, source = node._reuse_plan(self.prompt)
+        if tier == "resident":
+            # tiles the resident prefix holds leave at once (packed on the stripe threads,
+            # queued by a feeder thread) while this thread copies the prefix into the job's
+            # session for the rest of the prefill: the copy overlaps the wire instead of
+            # following it
+            self._feeder = threading.Thread(target=self._feed_resident, args=(cut, source), name="kvpack-producer-feed", daemon=True)
+            self._feeder.start()
         session = self.session = node.engine.new_session()
         self.ns["prefill_start"] = time.time_ns()
         reused, tier = node._install_prefix(session, self.prompt, cut, tier, source)
@@ -680,6 +706,9 @@ class _Job:
                 self._check()
 
     def _abort_stripes(self) -> None:
+        self._aborting = True  # a feeder still queueing tiles stops at its next check
+        if self._feeder is not None:
+            self._feeder.join(timeout=5)
         for s in self.stripes:
             try:
                 s.q.put_nowait(None)  # a stripe thread waiting for work has an empty queue
