@@ -22,13 +22,17 @@ Semantics every backend guarantees (the store's crash and concurrency arguments 
   two writers racing on one index entry never both succeed.
 * ``list`` after a completed ``write`` shows the object (read-after-write consistency).
 * ``lease`` keeps gc away from what it protects (see :class:`Lease`).
+* Where gc runs beside publishers (S3), gc holds a *sweep* lease from before it reads the
+  leases until its last delete, and rewrites a gc epoch object when it takes it;
+  :meth:`StorageEnv.gc_seen` shows both to a publisher, which commits only when no sweep
+  could have missed its cut (docs/store.md "gc and leases").
 """
 
 from __future__ import annotations
 
 import abc
 from collections.abc import Iterable, Iterator, Sequence
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Union
 
@@ -43,6 +47,16 @@ PUBLISH, RESTORE, GC = "publish", "restore", "gc"
 
 class ObjectMissing(FileNotFoundError):
     """The named object does not exist (a FileNotFoundError, so callers can treat both alike)."""
+
+
+@dataclass(frozen=True)
+class GcSeen:
+    """What a publisher saw of gc at one moment: the version of the gc epoch object (every
+    sweep rewrites it before it reads the leases; None if no sweep ever ran) and the names
+    of the sweep leases alive then."""
+
+    epoch: str | None
+    sweeping: frozenset[str]
 
 
 @dataclass(frozen=True)
@@ -137,6 +151,17 @@ class StorageEnv(abc.ABC):
         """Manifest ids (hex) protected by live leases of other processes (gc reads this
         after its mark phase)."""
         return set()
+
+    def sweeping(self) -> AbstractContextManager[Lease | None]:
+        """Held by gc from before it reads the leases until its last delete (S3: a sweep lease
+        ``leases/gc-*`` and a new gc epoch). Backends whose gc lease already excludes every
+        publisher (POSIX flock) hold nothing here."""
+        return nullcontext(None)
+
+    def gc_seen(self) -> GcSeen | None:
+        """The gc epoch and the live sweep leases, in that order (None where gc excludes
+        publishers with a lock: then a publisher never needs to look)."""
+        return None
 
     @abc.abstractmethod
     def now(self) -> float:

@@ -29,7 +29,7 @@ from typing import Any
 from ..errors import FormatError, StoreError
 from ..format.chunk import ChunkHeader, decode_chunk, decode_chunk_one_pass
 from ..format.objects import ChunkRef, Manifest
-from .env import GC, RESTORE, ObjectInfo
+from .env import GC, RESTORE, Lease, ObjectInfo
 from .packstore import Hit, PackStore, chunk_name, index_name, logits_name, pack_name
 
 RECEIPT_FORMAT = "kvpack-quarantine"
@@ -278,8 +278,10 @@ def forget(store: PackStore, manifest_id: bytes) -> dict:
 
 def gc(store: PackStore) -> dict:
     """Remove what no indexed cut (nor a live lease) references. POSIX runs under the
-    exclusive lock, so it never races a publication; S3 runs beside publishers and deletes
-    only unreferenced objects older than the grace period (docs/store.md "gc and leases")."""
+    exclusive lock, so it never races a publication; S3 runs beside publishers, deletes only
+    unreferenced objects older than the grace period, and holds a sweep lease from before it
+    reads the leases until its last delete, which publishers wait for before they commit
+    (docs/store.md "gc and leases")."""
     removed = {"chunks": 0, "packs": 0, "logits": 0, "index": 0, "temp": 0, "bytes": 0, "quarantined": 0}
     env = store.env
     with env.lease(GC):
@@ -288,28 +290,27 @@ def gc(store: PackStore) -> dict:
         live_chunks: set[str] = set()
         marked: set[tuple[bytes, bytes]] = set()
         _mark(store, removed, marked, live_packs, live_chunks)
-        for mid_hex in env.protected():
-            try:
-                _add_chain(store, bytes.fromhex(mid_hex), live_packs, live_chunks)
-            except (ValueError, StoreError):
-                continue  # a protected cut that does not load protects nothing
-        if env.gc_grace_s:
-            # A delta committed after the listing above may build on a parent no entry seen
-            # there names (forgotten meanwhile), and its publisher may have released the lease
-            # protecting that parent before the leases were read: the parent's objects are old,
-            # so neither rule keeps them. Entries written up to now are marked again here, after
-            # the leases were read: a publisher whose lease was not seen either committed before
-            # that (its entry is listed now) or protected and confirmed its parent afterwards
-            # (then the parent was indexed during this listing, or republished -- young -- since
-            # the first one).
-            _mark(store, removed, marked, live_packs, live_chunks)
-        for prefix, live, suffix, label in (
-            ("chunks/", live_chunks, ".kvchk", "chunks"),
-            ("packs/", live_packs, ".kvpkp", "packs"),
-            ("logits/", live_packs, ".kvchk", "logits"),
-        ):
-            _sweep(store, prefix, live, suffix, label, started, removed)
-        removed["temp"] += env.sweep_incomplete(started - env.gc_grace_s) if env.gc_grace_s else 0
+        with env.sweeping() as sweep:
+            for mid_hex in env.protected():
+                try:
+                    _add_chain(store, bytes.fromhex(mid_hex), live_packs, live_chunks)
+                except (ValueError, StoreError):
+                    continue  # a protected cut that does not load protects nothing
+            if env.gc_grace_s:
+                # A delta committed after the listing above may build on a parent no entry seen
+                # there names (forgotten meanwhile), and its publisher may have released the lease
+                # protecting that parent before the leases were read: the parent's objects are old,
+                # so neither rule keeps them. Entries written up to now are marked again here, after
+                # the leases were read. (A publisher that protected its cut only after the leases
+                # were read sees this sweep and waits for it: publish._commit_safely.)
+                _mark(store, removed, marked, live_packs, live_chunks)
+            for prefix, live, suffix, label in (
+                ("chunks/", live_chunks, ".kvchk", "chunks"),
+                ("packs/", live_packs, ".kvpkp", "packs"),
+                ("logits/", live_packs, ".kvchk", "logits"),
+            ):
+                _sweep(store, prefix, live, suffix, label, started, removed, sweep)
+            removed["temp"] += env.sweep_incomplete(started - env.gc_grace_s) if env.gc_grace_s else 0
     return removed
 
 
@@ -344,13 +345,14 @@ def _still_old(env: Any, name: str, started: float, grace: float) -> bool:
     """Whether ``name`` is still older than the grace period right before gc deletes it. A
     publisher reusing an old unreferenced chunk rewrites it (publish._refresh_if_old) and may
     commit a cut naming it while gc works through a listing taken before that rewrite; the
-    listing's time is stale by then. (What remains is the round trip between this check and
-    the delete: a rewrite landing exactly there is not seen.)"""
+    listing's time is stale by then. A rewrite landing between this check and the delete is
+    not seen here: that publisher sees the sweep lease and re-checks its objects after the
+    sweep (publish._commit_safely)."""
     info = env.stat(name)
     return info is not None and started - info.mtime > grace
 
 
-def _sweep(store: PackStore, prefix: str, live: set[str], suffix: str, label: str, started: float, removed: dict) -> None:
+def _sweep(store: PackStore, prefix: str, live: set[str], suffix: str, label: str, started: float, removed: dict, sweep: Lease | None) -> None:
     env = store.env
     grace = env.gc_grace_s
     for info in list(env.list(prefix)):
@@ -365,6 +367,10 @@ def _sweep(store: PackStore, prefix: str, live: set[str], suffix: str, label: st
             continue
         if grace and not _still_old(env, info.name, started, grace):
             continue  # rewritten since the listing: a publisher reused it (or it is gone)
+        if sweep is not None:
+            # a sweep whose lease lapsed may look finished (or dead) to a publisher, which
+            # then commits without waiting: stop before deleting anything more
+            sweep.check()
         if env.delete(info.name, batch=True):
             removed["bytes"] += info.size
             removed[kind] += 1

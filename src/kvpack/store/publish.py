@@ -11,6 +11,10 @@ On backends whose gc runs beside publishers (S3: a grace period instead of a loc
 object the new cut references is young when the entry is written: reused objects older than
 a quarter of the grace period are rewritten (same bytes), the parent is protected by the
 publisher's lease, and a publication that outlived half the grace period is not committed.
+Before its commit a publisher protects its own cut by its lease and checks whether a gc sweep
+ran beside it; if one did it waits for the sweep to end and commits only if every object of
+the cut's chain is still there (else it publishes once more as a full cut): see
+``_commit_safely`` and docs/store.md "gc and leases".
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from ..format.chunk import ChunkHeader, decode_chunk_one_pass, encode_chunk, enc
 from ..format.identity import InputCutId, PrefixChain, chunk_content_id
 from ..format.objects import ChunkRef, Manifest, PayloadState
 from ..format.pack import encode_pack
-from .env import PUBLISH, Lease, ObjectMissing
+from .env import PUBLISH, GcSeen, Lease, ObjectMissing
 from .mapping import logits_key, logits_span, semantic_id
 from .packstore import PackStore, SaveReport, _Context, _engine_ids, chunk_name, index_name, logits_name, pack_name
 
@@ -58,6 +62,30 @@ def save(
     ``find_deepest(require_logits=False)`` and restored only by
     ``restore(require_logits=False)``, as a prefix the engine extends by computing.
     """
+    kw: dict[str, Any] = dict(cut=cut, logits=logits, aux=aux, prefix_only=prefix_only)
+    try:
+        return _save_once(store, session, max_delta_depth=max_delta_depth, **kw)
+    except _SweptUnder:
+        # a gc sweep beside this publication removed objects its cut references (an old chunk
+        # it reused, or a forgotten ancestor of its parent): publish once more as a full cut,
+        # which writes again whatever is missing and builds on no parent
+        return _save_once(store, session, max_delta_depth=0, **kw)
+
+
+class _SweptUnder(StoreError):
+    """A gc sweep beside the publication removed objects its cut references (not committed)."""
+
+
+def _save_once(
+    store: PackStore,
+    session: Any,
+    *,
+    cut: int | None,
+    logits: bytes | memoryview | None,
+    aux: Sequence[tuple[bytes, bytes]],
+    max_delta_depth: int,
+    prefix_only: bool,
+) -> SaveReport:
     t0 = time.perf_counter()
     layout: CacheLayout = session.layout
     ids = _engine_ids(session)
@@ -68,6 +96,7 @@ def save(
     node = chain.nodes[-1]
     with store.env.lease(PUBLISH) as lease:
         started = store.env.now()
+        seen = store.env.gc_seen()  # before anything is read (see _commit_safely)
         try:
             existing = store._read_index(node.node_id)
         except StoreError:
@@ -89,7 +118,7 @@ def save(
         )
         _check_young(store, started)
         lease.check()
-        committed = _commit_index(store, node.node_id, mid)
+        committed = _commit_safely(store, lease, seen, node.node_id, mid, started)
     report.manifest_id = committed.hex()
     if committed != mid:
         report.kind = "existing"  # a concurrent publisher committed this cut first
@@ -201,6 +230,59 @@ def _check_young(store: PackStore, started: float) -> None:
     grace = store.env.gc_grace_s
     if grace and store.env.now() - started > grace / 2:
         raise StoreError("io", f"publication took longer than half the gc grace period ({grace:.0f} s): not committed")
+
+
+def _commit_safely(store: PackStore, lease: Lease, seen: GcSeen | None, node_id: bytes, mid: bytes, started: float) -> bytes:
+    """Commit the index entry unless a gc sweep beside this publication may have deleted
+    an object of the cut's chain (S3; ``seen``: the gc epoch and sweep leases seen when the
+    publication began, before it read anything).
+
+    The cut is protected by this publisher's lease first: a sweep that reads the leases
+    after that keeps its whole chain. A sweep that read them before either was alive when
+    the publication began (its lease was listed then), or began since (the epoch changed),
+    or is alive now (listed now). Then wait until those sweeps have ended and check that
+    every object of the chain is still there; a sweep that ended before the publication
+    began deleted nothing it read afterwards. docs/store.md "gc and leases" has the argument.
+    """
+    if seen is None:
+        return _commit_index(store, node_id, mid)  # gc excludes publishers (POSIX lock)
+    lease.protect([mid.hex()])
+    now = store.env.gc_seen() or GcSeen(None, frozenset())
+    sweeps = seen.sweeping | now.sweeping
+    if sweeps or now.epoch != seen.epoch:
+        _wait_for_gc(store, sweeps, deadline=started + store.env.gc_grace_s / 2)
+        missing = _missing_objects(store, mid)
+        if missing:
+            raise _SweptUnder("locked", f"a gc sweep beside this publication removed {len(missing)} object(s) of its cut ({missing[0]}): not committed")
+        _check_young(store, started)
+        lease.check()
+    return _commit_index(store, node_id, mid)
+
+
+def _wait_for_gc(store: PackStore, sweeps: frozenset[str], *, deadline: float) -> None:
+    """Wait until none of the named gc sweep leases is alive (a dead gc's lapses after two
+    lease times); past ``deadline`` (on the store's clock) refuse the commit."""
+    while True:
+        live = sweeps & (store.env.gc_seen() or GcSeen(None, frozenset())).sweeping
+        if not live:
+            return
+        left = deadline - store.env.now()
+        if left <= 0:
+            raise StoreError("locked", f"a gc sweep ({sorted(live)[0]}) outlasted half the gc grace period beside this publication: not committed")
+        time.sleep(min(0.1, left))
+
+
+def _missing_objects(store: PackStore, mid: bytes) -> list[str]:
+    """Objects of the cut's chain (packs, chunks, its logits) that are not there (HEADs in
+    parallel; a pack that does not load counts as missing with its whole chain)."""
+    try:
+        chain = store.load_chain(mid)
+    except StoreError as exc:
+        return [exc.message]
+    names = sorted({chunk_name(ref.content_id) for manifest in chain for _key, _span, ref in manifest.chunk_refs()} | {logits_name(mid)})
+    with ThreadPoolExecutor(max(4, store.env.io_parallelism)) as pool:
+        found = list(pool.map(store.env.exists, names))
+    return [name for name, there in zip(names, found) if not there]
 
 
 def _commit_index(store: PackStore, node_id: bytes, mid: bytes) -> bytes:

@@ -12,7 +12,10 @@ How the store's guarantees map onto S3:
 * leases are small objects ``leases/<random>.json`` naming the manifests they protect and
   their time to live, renewed by a background thread; gc never deletes an object younger
   than ``gc_grace_s`` and keeps every manifest a live lease protects, so neither a
-  publication nor a restore in flight loses an object (docs/store.md "gc and leases").
+  publication nor a restore in flight loses an object (docs/store.md "gc and leases");
+* gc's sweep holds a lease ``leases/gc-<random>.json`` and rewrites the object ``gc.epoch``
+  (random bytes: a new ETag) when it takes it, so a publisher can tell whether a sweep ran
+  beside its publication (:meth:`S3Env.gc_seen`).
 
 Credentials come from a 0600 credentials file (``--s3-credentials`` or
 ``KVPACK_S3_CREDENTIALS``) or the usual AWS environment variables; they are never written
@@ -34,13 +37,17 @@ from contextlib import contextmanager
 from typing import Any
 
 from ..errors import StoreError
-from .env import Buffer, Lease, ReadBuffer, ObjectInfo, ObjectMissing, StorageEnv
+from .env import GC, Buffer, GcSeen, Lease, ReadBuffer, ObjectInfo, ObjectMissing, StorageEnv
 
 DEFAULT_GRACE_S = 900.0
 LEASE_TTL_S = 120.0
 MULTIPART_THRESHOLD = 16 << 20
 PART_BYTES = 8 << 20
 RANGE_BYTES = 8 << 20
+#: rewritten (random bytes, so a new ETag) by every gc sweep before it reads the leases
+GC_EPOCH = "gc.epoch"
+#: name prefix of the leases gc holds while it sweeps (publishers list them)
+SWEEP_LEASES = "leases/gc-"
 
 
 def load_credentials(path: str) -> dict[str, str]:
@@ -77,9 +84,9 @@ def load_credentials(path: str) -> dict[str, str]:
 class _S3Lease(Lease):
     """A lease object, renewed every ttl/3 until released."""
 
-    def __init__(self, env: "S3Env", purpose: str, protects: Sequence[str]) -> None:
+    def __init__(self, env: "S3Env", purpose: str, protects: Sequence[str], *, prefix: str = "leases/") -> None:
         self.env = env
-        self.name = f"leases/{secrets.token_hex(12)}.json"
+        self.name = f"{prefix}{secrets.token_hex(12)}.json"
         self.purpose = purpose
         self.protects = list(protects)
         self.renewed = 0.0
@@ -335,10 +342,32 @@ class S3Env(StorageEnv):
         finally:
             held.release()
 
+    @contextmanager
+    def sweeping(self) -> Iterator[Lease]:
+        """The sweep lease first, then a new epoch: a publisher that reads the epoch before
+        listing the sweep leases either sees this sweep's lease or a changed epoch, or it
+        looked before the lease existed (and then this sweep reads the publisher's lease)."""
+        held = _S3Lease(self, GC, (), prefix=SWEEP_LEASES)
+        try:
+            self.write(GC_EPOCH, secrets.token_hex(16).encode())
+            yield held
+        finally:
+            held.release()
+
+    def gc_seen(self) -> GcSeen:
+        info = self.stat(GC_EPOCH)
+        now = self.now()
+        live = frozenset(i.name for i in self.list(SWEEP_LEASES) if now - i.mtime <= 2 * self.lease_ttl_s)
+        return GcSeen(info.version if info is not None else None, live)
+
     def protected(self) -> set[str]:
         out: set[str] = set()
         now = self.now()
         for info in list(self.list("leases/")):
+            if info.name.startswith(SWEEP_LEASES):
+                if now - info.mtime > 2 * self.lease_ttl_s:
+                    self.delete(info.name)  # a gc that died while sweeping
+                continue  # protects nothing
             try:
                 raw = json.loads(self.read(info.name))
                 ttl = float(raw.get("ttl_s", self.lease_ttl_s))

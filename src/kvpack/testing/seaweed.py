@@ -4,8 +4,10 @@ the ``weed`` binary).
 One :class:`SeaweedServer` is one ``weed server -s3`` process with its own data directory,
 its own ports (chosen by binding port 0, so parallel runs do not collide) and its own S3
 identity (random access key and secret, written to a 0600 credentials file). ``start``
-waits (bounded) until the S3 port answers; ``kill`` SIGKILLs it and ``start`` brings it back
-on the same ports and data (the server-restart crash test). Never used by production code.
+waits (bounded) until the S3 port answers and then until an object round trip works (PUT and
+GET of the same bytes: the gateway answers a moment before the volume server serves);
+``kill`` SIGKILLs it and ``start`` brings it back on the same ports and data (the
+server-restart crash test). Never used by production code.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import time
 import urllib.error
 import urllib.request
 
+#: the bucket readiness probes write into (tests and benchmarks use buckets of their own)
+READY_BUCKET = "kvpack-ready"
 PORT_NAMES = ("master", "master_grpc", "volume", "volume_grpc", "filer", "filer_grpc", "s3", "s3_grpc")
 
 
@@ -110,11 +114,24 @@ class SeaweedServer:
         return self
 
     def _wait_ready(self) -> None:
-        """The S3 port answers and a bucket can be listed (the filer is up)."""
+        """The S3 port answers, then a PUT and a GET of the same bytes work (bounded by
+        ``ready_timeout_s`` in all): the S3 gateway answers anonymous requests a moment before
+        the filer and volume server store and serve objects (a GET then is a 500)."""
         deadline = time.monotonic() + self.ready_timeout_s
+        try:
+            self._wait_gateway(deadline)
+            self._wait_round_trip(deadline)
+        except TimeoutError:
+            self.kill()
+            raise
+
+    def _check_alive(self) -> None:
+        if self.proc is not None and self.proc.poll() is not None:
+            raise RuntimeError(f"weed server exited with {self.proc.returncode}; log: {self.log_path}")
+
+    def _wait_gateway(self, deadline: float) -> None:
         while time.monotonic() < deadline:
-            if self.proc is not None and self.proc.poll() is not None:
-                raise RuntimeError(f"weed server exited with {self.proc.returncode}; log: {self.log_path}")
+            self._check_alive()
             try:
                 urllib.request.urlopen(self.endpoint + "/", timeout=2).close()
                 return
@@ -122,8 +139,35 @@ class SeaweedServer:
                 return  # 403 for an anonymous request: the S3 gateway is serving
             except OSError:
                 time.sleep(0.25)
-        self.kill()
-        raise TimeoutError(f"weed server not ready after {self.ready_timeout_s:.0f} s; log: {self.log_path}")
+        raise TimeoutError(f"weed server's S3 port did not answer within {self.ready_timeout_s:.0f} s; log: {self.log_path}")
+
+    def _wait_round_trip(self, deadline: float) -> None:
+        """Create the probe bucket (or find it, after a restart), PUT a random object, GET it
+        back byte for byte, delete it. Every request is bounded (5 s, no retries) and the
+        whole loop by ``deadline``."""
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        client = self.client(timeout_s=5.0, attempts=1)
+        key, body = f"ready/{secrets.token_hex(8)}", secrets.token_bytes(4096)
+        last = "no attempt"
+        while time.monotonic() < deadline:
+            self._check_alive()
+            try:
+                try:
+                    client.create_bucket(Bucket=READY_BUCKET)
+                except ClientError as exc:
+                    if "BucketAlready" not in str(exc.response.get("Error", {}).get("Code", "")):
+                        raise
+                client.put_object(Bucket=READY_BUCKET, Key=key, Body=body)
+                got = client.get_object(Bucket=READY_BUCKET, Key=key)["Body"].read()
+                if got == body:
+                    client.delete_object(Bucket=READY_BUCKET, Key=key)
+                    return
+                last = f"GET returned {len(got)} bytes that differ from the {len(body)} written"
+            except (BotoCoreError, ClientError) as exc:
+                last = f"{type(exc).__name__}: {exc}"
+            time.sleep(0.25)
+        raise TimeoutError(f"weed server did not complete a PUT+GET round trip within {self.ready_timeout_s:.0f} s ({last}); log: {self.log_path}")
 
     def kill(self) -> None:
         """SIGKILL the whole server (its process group) and wait for it."""
