@@ -290,6 +290,9 @@ def gc(store: PackStore) -> dict:
         live_chunks: set[str] = set()
         marked: set[tuple[bytes, bytes]] = set()
         _mark(store, removed, marked, live_packs, live_chunks)
+        # listed before the sweep lease, so publishers that see it wait only for the deletes
+        # (an object written after this listing is young: never a candidate)
+        candidates = {prefix: _old_objects(env, prefix, started) for prefix, _suffix, _label in _SWEPT}
         with env.sweeping() as sweep:
             for mid_hex in env.protected():
                 try:
@@ -304,12 +307,9 @@ def gc(store: PackStore) -> dict:
                 # the leases were read. (A publisher that protected its cut only after the leases
                 # were read sees this sweep and waits for it: publish._commit_safely.)
                 _mark(store, removed, marked, live_packs, live_chunks)
-            for prefix, live, suffix, label in (
-                ("chunks/", live_chunks, ".kvchk", "chunks"),
-                ("packs/", live_packs, ".kvpkp", "packs"),
-                ("logits/", live_packs, ".kvchk", "logits"),
-            ):
-                _sweep(store, prefix, live, suffix, label, started, removed, sweep)
+            for prefix, suffix, label in _SWEPT:
+                live = live_chunks if label == "chunks" else live_packs  # a cut's logits share its pack's id
+                _sweep(store, candidates[prefix], prefix, live, suffix, label, started, removed, sweep)
             removed["temp"] += env.sweep_incomplete(started - env.gc_grace_s) if env.gc_grace_s else 0
     return removed
 
@@ -352,13 +352,24 @@ def _still_old(env: Any, name: str, started: float, grace: float) -> bool:
     return info is not None and started - info.mtime > grace
 
 
-def _sweep(store: PackStore, prefix: str, live: set[str], suffix: str, label: str, started: float, removed: dict, sweep: Lease | None) -> None:
+#: what gc sweeps: (prefix, object suffix, counter)
+_SWEPT = (("chunks/", ".kvchk", "chunks"), ("packs/", ".kvpkp", "packs"), ("logits/", ".kvchk", "logits"))
+
+
+def _old_objects(env: Any, prefix: str, started: float) -> list[ObjectInfo]:
+    """Objects under ``prefix`` older than the grace period (young ones may belong to a
+    publication in flight); every object where gc excludes publishers with a lock."""
+    grace = env.gc_grace_s
+    return [info for info in env.list(prefix) if not grace or started - info.mtime > grace]
+
+
+def _sweep(
+    store: PackStore, candidates: list[ObjectInfo], prefix: str, live: set[str], suffix: str, label: str, started: float, removed: dict, sweep: Lease | None
+) -> None:
     env = store.env
     grace = env.gc_grace_s
-    for info in list(env.list(prefix)):
+    for info in candidates:
         name = info.name[len(prefix) :]
-        if grace and started - info.mtime <= grace:
-            continue  # young: may belong to a publication in flight
         if name.startswith(".") and name.endswith(".tmp"):
             kind = "temp"  # left by a crashed writer (POSIX)
         elif name.endswith(suffix) and name[: -len(suffix)] not in live:
