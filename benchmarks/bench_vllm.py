@@ -135,7 +135,7 @@ def run_lmcache(python: str, base: dict, prompts: dict, work: str, core: int, re
     server_bin = os.path.join(os.path.dirname(python), "lmcache")
     other = 1 - core if (os.cpu_count() or 1) > 1 else core
     cmd = [server_bin, "server", "--host", "127.0.0.1", "--port", str(port), "--chunk-size", "256", "--l1-size-gb", "2"]
-    cmd += ["--supported-transfer-mode", "lmcache_driven", "--disable-observability"]
+    cmd += ["--eviction-policy", "LRU", "--supported-transfer-mode", "lmcache_driven", "--disable-observability"]
     if shutil.which("taskset"):
         cmd = ["taskset", "-c", str(other), *cmd]
     log = open(os.path.join(work, "lmcache-server.log"), "ab")

@@ -81,7 +81,7 @@ class Reference:
         if self._tokens is None:
             names = sorted(self.prompts)
             out = self.engine.generate([self.prompts[k] for k in names], max_tokens=MAX_TOKENS)
-            self.engine.stop()  # its memory and core go to the next engines
+            self.engine.request_stop()  # its memory and core go to the next engines (teardown waits)
             self._tokens = {k: r["tokens"] for k, r in zip(names, out)}
         return self._tokens[name]
 

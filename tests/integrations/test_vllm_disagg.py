@@ -16,6 +16,7 @@ import subprocess
 import pytest
 
 from kvpack.security.enroll import Cluster
+from kvpack.testing.vllm_harness import stop_all
 
 from .conftest import MAX_TOKENS, engine_config, start
 
@@ -81,8 +82,7 @@ def pd(cluster, smollm2_dir, relay, tmp_path_factory):
         core=1,
     )
     yield producer, consumer
-    producer.stop()
-    consumer.stop()
+    stop_all(producer, consumer)
 
 
 def _handoff(producer, consumer, prompt):

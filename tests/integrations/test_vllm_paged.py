@@ -272,3 +272,28 @@ def test_a_load_of_a_foreign_identity_installs_nothing(store):
     with pytest.raises(StoreError):
         load_prefix(store, PagedKV(dst_caches), LAYOUT, _identity(block_size=64).ids(), _load_spec(plan, tuple(range(40, 62))))
     assert all(torch.equal(dst_caches[n], untouched[n]) for n in dst_caches)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs and affinity calls")
+def test_a_load_may_use_every_cpu_and_the_compute_thread_gets_its_binding_back():
+    import threading
+
+    from kvpack.integrations.vllm.worker import widened_affinity
+
+    cpus = sorted(os.sched_getaffinity(0))
+    seen: dict[str, set] = {}
+
+    def compute_thread() -> None:  # bound like vLLM's compute thread, then a load runs on it
+        os.sched_setaffinity(0, {cpus[0]})
+        with widened_affinity():
+            seen["during"] = os.sched_getaffinity(0)
+            worker = threading.Thread(target=lambda: seen.update(verifier=os.sched_getaffinity(0)))
+            worker.start()
+            worker.join()
+        seen["after"] = os.sched_getaffinity(0)
+
+    t = threading.Thread(target=compute_thread)
+    t.start()
+    t.join()
+    assert seen["during"] == seen["verifier"] == set(cpus)  # a thread made during the load inherits it
+    assert seen["after"] == {cpus[0]}

@@ -15,6 +15,11 @@ connector's own counters through vLLM's metrics (``LLM.get_metrics()``):
   identity (block size 64) on the same store (a miss).
 
 vLLM's prefix cache is reset before every request, so reuse is the connector's.
+
+Engines: ``first_engine`` serves the same-process cases; the fresh process and the
+other-identity engine (:class:`Later`) boot on the other core while those cases run (once
+the session's reference engine has stopped and freed it), and are used only after
+``first_engine`` has stopped: a process that never computed the prompt finds it on disk.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ import os
 import pytest
 
 from kvpack.store import PackStore
+
+from kvpack.testing.vllm_harness import Engine, stop_all
 
 from .conftest import MAX_TOKENS, engine_config, start
 
@@ -73,11 +80,36 @@ def first_engine(reference, smollm2_dir, store_dir, tmp_path_factory):
     eng.stop()
 
 
-def test_cold_hit_and_partial_hit_give_the_reference_tokens(first_engine, prompts, reference, store_dir):
+class Later:
+    """The fresh process (vLLM's default multi-process engine: scheduler and worker in
+    separate processes) and an engine of another identity (block size 64), both on the
+    store, booted ahead of their test so their start overlaps the same-process cases."""
+
+    def __init__(self, model: str, store: str, logs) -> None:
+        self.model, self.store, self.logs = model, store, logs
+        self.fresh: Engine | None = None
+        self.other: Engine | None = None
+
+    def start(self) -> "Later":
+        if self.fresh is None:
+            self.fresh = start(_kvpack(self.model, self.store, single_process=False), self.logs, "kvpack-fresh", core=1)
+            self.other = start(_kvpack(self.model, self.store, block_size=64), self.logs, "kvpack-block64", core=1)
+        return self
+
+
+@pytest.fixture(scope="module")
+def later(smollm2_dir, store_dir, tmp_path_factory):
+    engines = Later(smollm2_dir, store_dir, tmp_path_factory.mktemp("vllm-later"))
+    yield engines
+    stop_all(engines.fresh, engines.other)
+
+
+def test_cold_hit_and_partial_hit_give_the_reference_tokens(first_engine, prompts, reference, store_dir, later):
     m0 = first_engine.metrics()
     (cold,) = first_engine.generate([prompts["A"]], max_tokens=MAX_TOKENS)
     m1 = first_engine.metrics()
     assert cold["tokens"] == reference["A"]
+    later.start()  # the reference engine has stopped: its core boots the later engines
     assert cold["text"].strip() and set(cold["tokens"]) != {0}  # real text, not token 0
     assert _delta(m1, m0, "kvpack_misses") == 1 and _delta(m1, m0, "kvpack_loads") == 0
 
@@ -133,22 +165,16 @@ def test_a_truncated_chunk_is_refused_at_planning_and_the_intact_prefix_loads(fi
     assert _delta(m1, m0, "kvpack_loads") == 1 and _delta(m1, m0, "kvpack_loaded_tokens") == 256
 
 
-def test_a_fresh_process_hits_from_disk_and_another_identity_misses(vllm_py, smollm2_dir, store_dir, prompts, reference, first_engine, tmp_path_factory):
+def test_a_fresh_process_hits_from_disk_and_another_identity_misses(vllm_py, store_dir, prompts, reference, first_engine, later):
     first_engine.generate([prompts["A"]], max_tokens=1)  # waits for A's pending save, if any
-    first_engine.stop()  # the store is complete on disk; the process is gone
-    logs = tmp_path_factory.mktemp("vllm-fresh")
-    # the fresh process runs vLLM's default multi-process engine (scheduler and worker apart)
-    fresh = start(_kvpack(smollm2_dir, store_dir, single_process=False), logs, "kvpack-fresh", core=0)
-    other = start(_kvpack(smollm2_dir, store_dir, block_size=64), logs, "kvpack-block64", core=1)
-    try:
-        (hit,) = fresh.generate([prompts["A"]], max_tokens=MAX_TOKENS)
-        m = fresh.metrics()
-        assert hit["tokens"] == reference["A"]
-        assert m.get("kvpack_loads") == 1 and m.get("kvpack_loaded_tokens") == 999
-        (miss,) = other.generate([prompts["A"]], max_tokens=MAX_TOKENS)
-        m = other.metrics()
-        assert miss["tokens"] == reference["A"]
-        assert m.get("kvpack_misses") == 1 and m.get("kvpack_loads", 0) == 0 and m.get("kvpack_refusals", 0) == 0
-    finally:
-        fresh.stop()
-        other.stop()
+    first_engine.stop()  # the store is complete on disk; the process that computed A is gone
+    fresh, other = later.start().fresh, later.other
+    assert fresh is not None and other is not None
+    (hit,) = fresh.generate([prompts["A"]], max_tokens=MAX_TOKENS)
+    m = fresh.metrics()
+    assert hit["tokens"] == reference["A"]
+    assert m.get("kvpack_loads") == 1 and m.get("kvpack_loaded_tokens") == 999
+    (miss,) = other.generate([prompts["A"]], max_tokens=MAX_TOKENS)
+    m = other.metrics()
+    assert miss["tokens"] == reference["A"]
+    assert m.get("kvpack_misses") == 1 and m.get("kvpack_loads", 0) == 0 and m.get("kvpack_refusals", 0) == 0

@@ -57,6 +57,34 @@ def _kv_config(cfg: dict[str, Any]) -> Any:
     raise ValueError(f"unknown connector {connector!r}")
 
 
+def _lmcache_environment_fix() -> None:
+    """Let vLLM start beside LMCache's dependencies (the peer measured by bench_vllm.py).
+
+    LMCache imports numba, hence llvmlite, whose ctypes library wrapper
+    (``llvmlite.binding.ffi._lib_wrapper``) answers *every* attribute, ``__dict__``
+    included, with a function wrapper; vLLM 0.32's CPU kernel-override scan
+    (``vllm/triton_utils/dispatcher.py``, at worker start) calls ``vars(value).get(...)`` on
+    every module attribute that has a ``__dict__`` and dies on it. Here dunder lookups on
+    that wrapper raise ``AttributeError``, as on any object without them; nothing else of
+    llvmlite or vLLM changes. Without llvmlite this does nothing."""
+    try:
+        from llvmlite.binding import ffi  # type: ignore[import-not-found,import-untyped,unused-ignore]
+    except ImportError:
+        return
+    cls = getattr(ffi, "_lib_wrapper", None)
+    if cls is None or getattr(cls, "_kvpack_dunder_fix", False):
+        return
+    answer_all = cls.__getattr__
+
+    def no_dunders(self: Any, name: str) -> Any:
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)
+        return answer_all(self, name)
+
+    cls.__getattr__ = no_dunders
+    cls._kvpack_dunder_fix = True
+
+
 def _say(obj: dict[str, Any]) -> None:
     sys.stdout.write(TAG + json.dumps(obj) + "\n")
     sys.stdout.flush()
@@ -241,6 +269,8 @@ def main(argv: list[str]) -> int:
     cfg = json.loads(argv[0])
     if cfg.get("single_process", True):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if cfg.get("connector") == "lmcache_mp":
+        _lmcache_environment_fix()
     from vllm import LLM
 
     t0 = time.perf_counter()

@@ -24,11 +24,13 @@ view into vLLM's blocks past ``wait_for_save``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from ...engine.contract import CacheLayout, IdentityIds, id32
@@ -64,6 +66,30 @@ def widen_affinity() -> None:
         os.sched_setaffinity(0, allowed)
     except (AttributeError, OSError, ValueError):
         pass
+
+
+@contextlib.contextmanager
+def widened_affinity() -> Iterator[None]:
+    """Run the block on every CPU (:func:`widen_affinity`), then give the calling thread its
+    own binding back.
+
+    A load runs on vLLM's compute thread, bound to the compute core; the store's verifying
+    threads, created inside the block, inherit the widened mask and so may use the reserved
+    core, while the compute thread itself only waits for them. Its binding is restored
+    before the forward. Best effort: without ``sched_getaffinity`` the block runs as is."""
+    try:
+        own = os.sched_getaffinity(0)
+    except (AttributeError, OSError):
+        yield
+        return
+    widen_affinity()
+    try:
+        yield
+    finally:
+        try:
+            os.sched_setaffinity(0, own)
+        except OSError:
+            pass
 
 
 def check_block_layout(paged: PagedKV, isa: str, kv_cache_dtype: str) -> None:
@@ -159,7 +185,8 @@ class WorkerSide:
                     raise EngineError("identity", refusal)
                 if self.store is None:
                     raise EngineError("install", "no store configured")
-                report = load_prefix(self.store, self.paged, self.layout, decode_ids(meta.ids), spec)  # type: ignore[arg-type]
+                with widened_affinity():  # the verifying threads may use vLLM's reserved core
+                    report = load_prefix(self.store, self.paged, self.layout, decode_ids(meta.ids), spec)  # type: ignore[arg-type]
             except Exception as exc:  # noqa: BLE001 - any refusal is a miss: vLLM recomputes these blocks
                 bs = meta.block_size
                 self._invalid.update(spec.block_ids[spec.lo // bs : -(-spec.hi // bs)])
