@@ -77,6 +77,11 @@ class Reference:
         self.engine, self.prompts = engine, prompts
         self._tokens: dict[str, list[int]] | None = None
 
+    @property
+    def done(self) -> bool:
+        """The tokens are computed and the engine is stopping (its core is free)."""
+        return self._tokens is not None
+
     def __getitem__(self, name: str) -> list[int]:
         if self._tokens is None:
             names = sorted(self.prompts)
