@@ -9,7 +9,7 @@ block size 128, ``max_tokens=1``: the wall time of one request is its TTFT):
   are copied out and published; ExampleConnector: a miss, then one safetensors file per layer);
 * ``<connector>_warm_in_process``: the same prompt again in the same engine, vLLM's own
   prefix cache reset first, so the reuse is the connector's (kvpack: after its save
-  committed);
+  committed: every 256-token cut and the tail cut, so vLLM computes only the last token);
 * ``<connector>_warm_fresh_process``: the same prompt in a new vLLM process on the same
   store (page cache warm, as after a restart).
 
@@ -160,7 +160,10 @@ def run_lmcache(python: str, base: dict, prompts: dict, work: str, core: int, re
             run_connector("lmcache", lambda: {**base, "connector": "lmcache_mp", "extra": extra}, prompts, work, core, results, firsts, python=python)
         except Exception as exc:  # noqa: BLE001 - the line says why instead of failing the run
             return f"not measured: {type(exc).__name__}: {str(exc)[:300]}"
-        return f"LMCache 0.5.6 multi-process (lmcache server on core {other}, LMCacheMPConnector, lmcache_driven, 256-token chunks, cache in server memory)"
+        return (
+            f"LMCache 0.5.6 multi-process (lmcache server on core {other}, LRU, LMCacheMPConnector, lmcache_driven, 256-token chunks, "
+            "cache in server memory; vLLM started with llvmlite's ctypes wrapper hiding dunder attributes, see vllm_harness._lmcache_environment_fix)"
+        )
     finally:
         server.terminate()
         try:
@@ -170,7 +173,7 @@ def run_lmcache(python: str, base: dict, prompts: dict, work: str, core: int, re
         log.close()
 
 
-def summary_line(n: int, results: dict, firsts: dict, *, repeat: int, core: int, model: str, lmcache_note: str) -> dict:
+def summary_line(n: int, results: dict, firsts: dict, *, repeat: int, core: int, model: str, lmcache_note: str, load_start: float) -> dict:
     """The one JSON line of a prompt length: medians, ratios against the peers of this run."""
     med = {k: round(statistics.median(v), 4) for k, v in results[n].items() if v}
 
@@ -192,13 +195,13 @@ def summary_line(n: int, results: dict, firsts: dict, *, repeat: int, core: int,
             "kvpack_fresh_over_none_cold": ratio("kvpack_warm_fresh_process", "none_cold"),
             "kvpack_fresh_over_lmcache_fresh": ratio("kvpack_warm_fresh_process", "lmcache_warm_fresh_process"),
         },
-        "goal": {"cold_overhead_at_most": 1.10, "fresh_vs_example_at_most": 1.0},
+        "goal": {"cold_overhead_at_most": 1.10, "fresh_vs_example_at_most": 1.0, "fresh_vs_lmcache_below": 1.0},
         "first_tokens_equal": len(firsts[n]) == len({i for i, _ in firsts[n]}),  # one first token per prompt
         "kvpack_fresh_process_loads": results.get("_kvpack_fresh_loads"),
         "kvpack_refusals": results.get("_kvpack_fresh_refusals"),
         "verified": "kvpack: every stored byte of a load (pack HMAC, chunk SHA-256, keyed content ids) and the exact identity; ExampleConnector: nothing",
         "lmcache": lmcache_note,
-        "host": {"cpus": os.cpu_count(), "machine": platform.machine(), "load_avg_1m": round(os.getloadavg()[0], 2)},
+        "host": {"cpus": os.cpu_count(), "machine": platform.machine(), "load_avg_1m_start": load_start, "load_avg_1m": round(os.getloadavg()[0], 2)},
     }
 
 
@@ -216,6 +219,7 @@ def main() -> None:
         "LMCache then runs as 'lmcache server' + LMCacheMPConnector (lmcache_driven), the server bound to the other core",
     )
     args = ap.parse_args()
+    load_start = round(os.getloadavg()[0], 2)
 
     from transformers import AutoTokenizer
 
@@ -273,7 +277,8 @@ def main() -> None:
         lmcache_note = run_lmcache(args.lmcache_python, base, prompts, work, args.core, results, firsts)
 
     for n in lengths:
-        print(json.dumps(summary_line(n, results, firsts, repeat=args.repeat, core=args.core, model=model, lmcache_note=lmcache_note)), flush=True)
+        line = summary_line(n, results, firsts, repeat=args.repeat, core=args.core, model=model, lmcache_note=lmcache_note, load_start=load_start)
+        print(json.dumps(line), flush=True)
 
 
 if __name__ == "__main__":
