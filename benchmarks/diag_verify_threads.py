@@ -2,7 +2,9 @@
 
 Builds N 4 MiB chunk objects in memory and writes them to --dir, then measures with T
 threads: (a) the ceiling (SHA-256 + HMAC-SHA-256 over the plaintext), (b) decode_chunk over
-in-memory objects, (c) file read + decode_chunk. Prints one JSON line. Used to locate the
+in-memory objects, (c) file read + decode_chunk, (d)/(e) the same with the host restore's
+one-pass verifier (``decode_chunk_one_pass``, ``--block`` bytes per hash turn; (e) reads into
+a reused buffer per thread). Prints one JSON line. Used to locate the
 restore bottleneck on many-core hosts (GIL-held Python per chunk vs hashing vs I/O).
 """
 
@@ -13,6 +15,7 @@ import hashlib
 import hmac
 import json
 import os
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -20,7 +23,7 @@ import numpy as np
 
 from kvpack.format import KeySchedule, StateKey, decode_chunk
 from kvpack.format.build import build_schema
-from kvpack.format.chunk import encode_chunk
+from kvpack.format.chunk import ONE_PASS_BLOCK, decode_chunk_one_pass, encode_chunk
 from kvpack.format.objects import Family, FamilyState
 
 
@@ -29,6 +32,7 @@ def main() -> None:
     ap.add_argument("--chunks", type=int, default=256)
     ap.add_argument("--threads", default="1,4,8,16")
     ap.add_argument("--dir", default="/tmp/kvdiag")
+    ap.add_argument("--block", type=int, default=ONE_PASS_BLOCK, help="decode_chunk_one_pass block bytes (the *_one_pass rows)")
     args = ap.parse_args()
     state = FamilyState(key=StateKey(0, "k"), dtype=6, codec=1, dims=(0, 8, 128), token_axis=0, elements_per_token=1024)
     family = Family(bytes([2]) * 32, bytes([3]) * 32, bytes([4]) * 32, (state,))
@@ -48,7 +52,8 @@ def main() -> None:
             fh.write(c.obj)
         paths.append(p)
     total = sum(s.plaintext_bytes for s in spans)
-    out = {"bench": "diag_verify_threads", "chunks": len(spans), "bytes": total, "cpus": os.cpu_count(), "rows": []}
+    out = {"bench": "diag_verify_threads", "chunks": len(spans), "bytes": total, "cpus": os.cpu_count(), "one_pass_block": args.block, "rows": []}
+    buffers = threading.local()
     for t in [int(x) for x in args.threads.split(",")]:
         pool = ThreadPoolExecutor(t)
 
@@ -67,8 +72,39 @@ def main() -> None:
             c = chunks[i]
             decode_chunk(obj, ref=c.ref, span=spans[i], tenant=keys.tenant, family=family, key=state.key, keys=keys, family_digest=digest)
 
+        def verify_one_pass(i):
+            c = chunks[i]
+            decode_chunk_one_pass(
+                c.obj, ref=c.ref, span=spans[i], tenant=keys.tenant, family=family, key=state.key, keys=keys, family_digest=digest, block=args.block
+            )
+
+        def read_verify_one_pass(i):
+            # as the host restore: read into a reused buffer (one per thread), one-pass verify
+            buf = buffers.__dict__.setdefault("buf", bytearray(len(chunks[0].obj)))
+            c = chunks[i]
+            with open(paths[i], "rb", buffering=0) as fh:
+                n = fh.readinto(buf)
+            decode_chunk_one_pass(
+                memoryview(buf)[:n],
+                ref=c.ref,
+                span=spans[i],
+                tenant=keys.tenant,
+                family=family,
+                key=state.key,
+                keys=keys,
+                family_digest=digest,
+                block=args.block,
+            )
+
         row = {"threads": t}
-        for name, fn in (("ceiling", ceiling), ("verify", verify), ("read_verify", read_verify)):
+        variants = (
+            ("ceiling", ceiling),
+            ("verify", verify),
+            ("read_verify", read_verify),
+            ("verify_one_pass", verify_one_pass),
+            ("read_verify_one_pass", read_verify_one_pass),
+        )
+        for name, fn in variants:
             list(pool.map(fn, range(min(8, len(spans)))))  # warm
             t0 = time.perf_counter()
             list(pool.map(fn, range(len(spans))))

@@ -1,6 +1,6 @@
 #!/bin/bash
 # Issue 20 (store writes at disk speed): where an H200-host save loses to the store's own
-# durable write pattern (docs/bench/store_profile.md). CPU only (no GPU is touched); ~150 s.
+# durable write pattern (docs/bench/store_profile.md). CPU only (no GPU is touched); ~200 s.
 #
 # Runs from the repository root of a fresh checkout, like h200_round.sh (src/ on PYTHONPATH,
 # cryptography wheels from $KVPACK_WHEELS, default .perf/whl, when missing). Writes into $OUT:
@@ -8,6 +8,9 @@
 #   store_write_w32.jsonl  the same with 32 workers (64 threads): does more in flight pay?
 #   save_wall.txt          py-spy raw samples (all threads, idle included) of one save round
 #   save_gil.txt           py-spy raw samples of the threads holding the GIL, same round
+#   verify_threads.jsonl   diag_verify_threads: decode_chunk vs decode_chunk_one_pass (64 KiB
+#                          and 256 KiB blocks) on 1 and 16 threads: keep, resize or drop the
+#                          one-pass default (KVPACK_ONE_PASS_BLOCK) on many cores
 #   (the py-spy files only where py-spy is installed)
 # The JSON lines carry save_over_store_pattern (issue 20's goal: >= 0.9) and
 # save_over_hash_then_pattern: near 1, the gap is hashing on the writer threads; well
@@ -23,9 +26,11 @@ mkdir -p "$OUT"
 if [ "${KVPACK_ROUND_DRY:-0}" = 1 ]; then
     SIZE="--gib 0.03125 --repeat 1"
     PROFILE_SIZE="--gib 0.03125 --repeat 1"
+    DIAG_CHUNKS=8
 else
     SIZE="--gib 1 --repeat 3"
     PROFILE_SIZE="--gib 1 --repeat 1"
+    DIAG_CHUNKS=256
 fi
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 if ! python3 -c "import cryptography" 2>/dev/null; then
@@ -45,6 +50,12 @@ for workers in 16 32; do
     # shellcheck disable=SC2086
     timeout 90 python3 benchmarks/bench_store_write.py --dir "$SCRATCH/sw" --chunk-mib 2 --workers "$workers" $SIZE \
         --out "$OUT/store_write_w$workers.jsonl" || echo "bench_store_write --workers $workers rc=$?"
+done
+# host verification: two passes vs the one-pass verifier at 64 KiB (the default) and 256 KiB
+# blocks on 1 and 16 threads (GIL handoffs per block grow with the thread count)
+for block in 65536 262144; do
+    timeout 60 python3 benchmarks/diag_verify_threads.py --chunks "$DIAG_CHUNKS" --threads 1,16 --dir "$SCRATCH/diag" --block "$block" \
+        >>"$OUT/verify_threads.jsonl" || echo "diag_verify_threads --block $block rc=$?"
 done
 if command -v py-spy >/dev/null; then
     for mode in wall gil; do

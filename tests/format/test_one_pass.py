@@ -164,3 +164,15 @@ def test_parts_join_to_the_encoded_object(combo):
     whole = encode_chunk(**kw)
     parts = encode_chunk_parts(**kw)
     assert b"".join(parts.parts) == whole.obj and parts.ref == whole.ref
+
+
+@pytest.mark.parametrize("block", [0, 4096, 100_003, 1 << 20])
+def test_any_block_size_verifies_and_refuses_identically(block):
+    plaintext = bytes(range(256)) * (3 * ONE_PASS_BLOCK // 256) + b"tail"
+    chunk, args, _ = _large_chunk(plaintext)
+    sized = {**args, "block": block}
+    assert _outcome(decode_chunk_one_pass, chunk.obj, sized) == _outcome(decode_chunk, chunk.obj, args) == ("ok", plaintext)
+    for at in (0, PLAINTEXT_AT - 1, PLAINTEXT_AT + block, len(chunk.obj) - 1):
+        data = bytearray(chunk.obj)
+        data[at % len(data)] ^= 0x40
+        assert _outcome(decode_chunk_one_pass, bytes(data), sized) == _outcome(decode_chunk, bytes(data), args)

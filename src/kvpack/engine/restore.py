@@ -42,6 +42,12 @@ READ_DEADLINE_S = 300.0
 _restore_ids = itertools.count(1)
 
 
+def _one_pass_default() -> int:
+    from ..format.chunk import ONE_PASS_BLOCK
+
+    return ONE_PASS_BLOCK
+
+
 def default_workers() -> int:
     return max(1, min(8, os.cpu_count() or 1))
 
@@ -109,6 +115,10 @@ class RestoreTuning:
     #: device verify: how many of the last chunks the host verifies while the device hashes
     #: the rest (None: as many as the workers verify in one kernel latency; 0: off)
     device_host_tail: int | None = 0
+    #: host verification: bytes each of the two hashes reads in turn (one pass over the
+    #: object, format.chunk.decode_chunk_one_pass); 0: one pass per hash. Smaller blocks stay
+    #: in cache, larger ones take the GIL less often (many threads)
+    one_pass_block: int = field(default_factory=lambda: int(os.environ.get("KVPACK_ONE_PASS_BLOCK", str(_one_pass_default()))))
 
 
 @dataclass
@@ -216,11 +226,11 @@ def check_chunk(
     return None, b"", n
 
 
-def _decode(source: ChunkSource, job: ChunkJob, obj: Buffer) -> Buffer:
+def _decode(source: ChunkSource, job: ChunkJob, obj: Buffer, tuning: RestoreTuning) -> Buffer:
     """Every A.5 check of ``decode_chunk``, the two long hashes in one pass (raw chunks)."""
     from ..format.chunk import decode_chunk_one_pass
 
-    return decode_chunk_one_pass(obj, **source.verify_args(job))
+    return decode_chunk_one_pass(obj, **source.verify_args(job), block=tuning.one_pass_block)
 
 
 class ReadBuffers:
@@ -264,14 +274,14 @@ class HostPipeline:
             buf = self.buffers.take()
             try:
                 obj, _n = self.source.read_into(job.ref, memoryview(buf)[: job.ref.object_bytes])
-                return _decode(self.source, job, obj), buf
+                return _decode(self.source, job, obj, self.tuning), buf
             except BaseException:
                 self.buffers.give(buf)
                 raise
         slot = self.stager.acquire()
         try:
             obj, _n = self.source.read_into(job.ref, slot.host_region())
-            slot.upload(_decode(self.source, job, obj))
+            slot.upload(_decode(self.source, job, obj, self.tuning))
             return slot
         except BaseException:
             slot.release()
@@ -338,7 +348,7 @@ class PlanePipeline:
         from .cuda import SLOT_BYTES
 
         obj, _n = self.source.read_into(job.ref, memoryview(view)[slot * SLOT_BYTES : (slot + 1) * SLOT_BYTES])
-        plaintext = _decode(self.source, job, obj)
+        plaintext = _decode(self.source, job, obj, self.tuning)
         self.stager.copy_rows(item, plaintext, (job.a - job.span.token_start) * row, (job.b - job.a) * row, dev, (job.a - lo) * row)
         return job.ref.object_bytes
 

@@ -471,7 +471,8 @@ def decode_chunk_deferred(
 #: Bytes of the plaintext each of the two hashes of :func:`decode_chunk_one_pass` reads in
 #: turn: small enough that the second hash finds them in the core's cache (the pass then
 #: costs about 1.45x one hash, not 2x: docs/bench/store_profile.md), large enough that the
-#: GIL is released and retaken only every few tens of microseconds.
+#: GIL is released and retaken only every few tens of microseconds (with many threads those
+#: handoffs add up: ``RestoreTuning.one_pass_block`` sets it per restore).
 ONE_PASS_BLOCK = 64 * 1024
 
 
@@ -485,12 +486,14 @@ def decode_chunk_one_pass(
     key: StateKey,
     keys: Keys,
     family_digest: bytes | None = None,
+    block: int = ONE_PASS_BLOCK,
 ) -> bytes | memoryview:
     """:func:`decode_chunk` for a host verifier: same checks, same first refusal, same
     result; a raw unencrypted chunk's two long hashes (object SHA-256, content-ID HMAC) are
-    computed in one pass over the object, block by block (:data:`ONE_PASS_BLOCK`), instead
-    of one pass each. Anything else is handed to :func:`decode_chunk`."""
-    if not deferrable(obj):
+    computed in one pass over the object, ``block`` bytes at a time (default
+    :data:`ONE_PASS_BLOCK`; 0: one pass each, exactly :func:`decode_chunk`), instead of one
+    pass each. Anything else is handed to :func:`decode_chunk`."""
+    if block <= 0 or not deferrable(obj):
         return decode_chunk(obj, ref=ref, span=span, tenant=tenant, family=family, key=key, keys=keys, family_digest=family_digest)
     try:
         chunk_key = schedule_for(keys, ref.key_epoch).chunk_identity
@@ -507,11 +510,11 @@ def decode_chunk_one_pass(
         fam = family_digest if family_digest is not None else family.digest()
         prefix = chunk_content_prefix(tenant, fam, key.layer, key.name, span.token_start, span.token_count, span.plaintext_offset, span.plaintext_bytes)
         content = hmac.new(chunk_key, prefix, hashlib.sha256)
-    for at in range(start, stop, ONE_PASS_BLOCK):
-        block = view[at : min(at + ONE_PASS_BLOCK, stop)]
-        obj_hash.update(block)
+    for at in range(start, stop, block):
+        piece = view[at : min(at + block, stop)]
+        obj_hash.update(piece)
         if content is not None:
-            content.update(block)
+            content.update(piece)
     obj_hash.update(view[stop:])
     # a held refusal makes finish raise before it reads the content id
     return deferred.finish(ExternalDigests(obj_hash.digest(), content.digest() if content is not None else b""))

@@ -312,10 +312,11 @@ def _commit_index(store: PackStore, node_id: bytes, mid: bytes) -> bytes:
 
 
 def save_threads(store: PackStore) -> int:
-    """Threads a save writes chunk objects on: ``store.workers`` hashing and encoding plus as
-    many again waiting in write + fsync, so the disk always has that many objects in flight
+    """Threads a save writes chunk objects on (write + fsync each): ``2 * store.workers``,
+    so the disk always has as many objects in flight as in the store's plain write pattern,
+    while ``store.workers`` more threads hash and encode the next chunks ahead of them
     (hashlib and the AEAD release the GIL on large buffers, and so do the system calls).
-    One worker means one thread: the crash tests number the steps of a save."""
+    One worker means one thread doing both: the crash tests number the steps of a save."""
     return 1 if store.workers <= 1 else 2 * store.workers
 
 
@@ -323,28 +324,42 @@ def _write_chunks(store: PackStore, session: Any, ctx: _Context, schema: Any, re
     refs: dict = {fs.key: [None] * len(rs.spans) for fs, rs in zip(ctx.family.states, schema.states)}
     jobs = [(fs, i, span) for fs, rs in zip(ctx.family.states, schema.states) for i, span in enumerate(rs.spans)]
     threads = save_threads(store)
-    # export from the engine on this thread (engines need not be thread-safe), hash, encode
-    # and write on the pool; results are collected as they complete (no head-of-line wait),
-    # at most 2 * threads chunks in flight (their export buffers are pinned on CUDA)
-    with ThreadPoolExecutor(threads) as pool:
+    # Export from the engine on this thread (engines need not be thread-safe); hash and
+    # encode on the hashing pool, which hands each object to the writing pool: a thread
+    # that hashed, then wrote and fsynced, left the disk without its write meanwhile (on the
+    # H200 the save ran at 0.65 of the write pattern on the same threads). Results are
+    # collected as they complete (no head-of-line wait), at most 2 * threads chunks in
+    # flight in both stages together (their export buffers are pinned on CUDA).
+    with ThreadPoolExecutor(threads) as writers, ThreadPoolExecutor(store.workers if threads > 1 else 1) as hashers:
+        staged = writers if threads > 1 else None
         pending: dict[Future, Any] = {}  # future -> its export buffer's release (or None)
         try:
             for (fs, i, span), (plaintext, release) in zip(jobs, _span_exports(store, session, jobs, cut)):
-                pending[pool.submit(_write_one_chunk, store, ctx, fs, i, span, plaintext, release)] = release
-                if len(pending) >= 2 * threads:
-                    done, _ = wait(pending, return_when=FIRST_COMPLETED)
-                    for fut in done:
-                        del pending[fut]
-                        _collect(fut, refs, report)
-            for fut in list(pending):
-                del pending[fut]
-                _collect(fut, refs, report)
+                pending[hashers.submit(_write_one_chunk, store, ctx, fs, i, span, plaintext, release, staged)] = release
+                _advance(pending, refs, report, block=False)
+                while len(pending) >= 2 * threads:
+                    _advance(pending, refs, report, block=True)
+            while pending:
+                _advance(pending, refs, report, block=True)
         except BaseException:
             for fut, release in pending.items():
                 if fut.cancel() and release is not None:
                     release()  # never ran: its buffer goes back here
             raise
     return refs  # the chunk directory is committed with the pack (_make_durable)
+
+
+def _advance(pending: dict[Future, Any], refs: dict, report: SaveReport, *, block: bool) -> None:
+    """Collect finished chunks; a hashed chunk whose write was queued (a Future) stays
+    pending as that write. ``block``: wait for at least one to finish."""
+    done = wait(pending, return_when=FIRST_COMPLETED)[0] if block else [f for f in pending if f.done()]
+    for fut in done:
+        del pending[fut]
+        result = fut.result()
+        if isinstance(result, Future):
+            pending[result] = None  # its export buffer was handed back before the write
+        else:
+            _record(result, refs, report)
 
 
 def _span_plaintext(session: Any, layer: int, role: str, start: int, stop: int, cut: int) -> memoryview | bytes | bytearray:
@@ -394,8 +409,8 @@ def _span_exports(store: PackStore, session: Any, jobs: list, cut: int) -> Itera
         exports.close()
 
 
-def _collect(fut: Future, refs: dict, report: SaveReport) -> None:
-    key, index, ref, written, plaintext_bytes = fut.result()
+def _record(result: tuple, refs: dict, report: SaveReport) -> None:
+    key, index, ref, written, plaintext_bytes = result
     refs[key][index] = ref
     report.plaintext_bytes += plaintext_bytes
     if written:
@@ -405,9 +420,12 @@ def _collect(fut: Future, refs: dict, report: SaveReport) -> None:
         report.chunks_reused += 1
 
 
-def _write_one_chunk(store: PackStore, ctx: _Context, fs: Any, index: int, span: Any, plaintext: Any, release: Any = None) -> tuple:
+def _write_one_chunk(
+    store: PackStore, ctx: _Context, fs: Any, index: int, span: Any, plaintext: Any, release: Any = None, writers: Any = None
+) -> tuple | Future:
     """Content id, reuse or encode, write: one chunk. ``release`` (a pinned export buffer's)
-    runs as soon as the plaintext is no longer read: after encoding, before the write."""
+    runs as soon as the plaintext is no longer read: after encoding, before the write.
+    With ``writers`` (a pool) the write is queued there and its Future returned."""
     try:
         content_id = chunk_content_id(
             store.keys.chunk_identity,
@@ -445,13 +463,20 @@ def _write_one_chunk(store: PackStore, ctx: _Context, fs: Any, index: int, span:
     finally:
         if release is not None:
             release()
+    if writers is not None:
+        return writers.submit(_store_chunk, store, ctx, fs, index, span, name, content_id, body, chunk.ref)
+    return _store_chunk(store, ctx, fs, index, span, name, content_id, body, chunk.ref)
+
+
+def _store_chunk(store: PackStore, ctx: _Context, fs: Any, index: int, span: Any, name: str, content_id: bytes, body: Any, ref: ChunkRef) -> tuple:
+    """Write one encoded chunk object (create-only, durable but for its directory entry)."""
     if not store.env.write(name, body, create_only=True, batch=True):
         # another publisher created it meanwhile: adopt theirs if it verifies, else replace
-        ref = _existing_ref(store, ctx, fs, span, name, content_id)
-        if ref is not None:
-            return fs.key, index, ref, False, span.plaintext_bytes
+        theirs = _existing_ref(store, ctx, fs, span, name, content_id)
+        if theirs is not None:
+            return fs.key, index, theirs, False, span.plaintext_bytes
         store.env.write(name, body, batch=True)
-    return fs.key, index, chunk.ref, True, span.plaintext_bytes
+    return fs.key, index, ref, True, span.plaintext_bytes
 
 
 def _existing_ref(store: PackStore, ctx: _Context, fs: Any, span: Any, name: str, content_id: bytes) -> ChunkRef | None:
