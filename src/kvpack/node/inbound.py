@@ -49,6 +49,10 @@ from .transport import Deadline, fill
 from .wire import copy_prefix, held_digest, scatter_tile
 
 FIRST_FRAME_S = 30.0
+#: a payload's digests are fed in ranges of this size while it arrives: 1 MiB instead of the
+#: core's 256 KiB default, so the stripes of a transfer (threads of one process) take the
+#: GIL a quarter as often for the hand-offs to the hash lanes, at a lag of ~1 MiB of hashing
+NODE_STREAM_HASH_CHUNK = 1 << 20
 #: the first frame's header limit: the largest begin (131,072 token ids of up to 10 digits,
 #: identity and components) is ~1.5 MB of JSON; a header declared longer than this is refused
 #: before it is allocated, so a peer in its first frame costs the node at most this much
@@ -274,6 +278,7 @@ class InboundRun:
             now_unix_ms=pending.t0_ms,
             held_token_ids=pending.held_tokens,
             hash_executor=node.hash_executor,
+            stream_hash_chunk=NODE_STREAM_HASH_CHUNK,
             payload_buffers=buffers,
             reuse_buffers=() if self.buffers is None else self.buffers.take(buffers),
         )
