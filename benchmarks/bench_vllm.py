@@ -53,8 +53,13 @@ def prompts_for(tokenizer, length: int, repeat: int) -> list[list[int]]:
     return out
 
 
-def ttft(engine, prompt: list[int]) -> tuple[float, int]:
+RESET_REFUSED: dict[str, int] = {}  # variant -> requests measured with vLLM's own prefix cache not emptied
+
+
+def ttft(engine, prompt: list[int], variant: str = "") -> tuple[float, int]:
     (res,) = engine.generate([prompt], max_tokens=1)
+    if res.get("prefix_cache_reset") is False:
+        RESET_REFUSED[variant] = RESET_REFUSED.get(variant, 0) + 1
     return res["wall_s"], res["tokens"][0]
 
 
@@ -95,13 +100,13 @@ def run_connector(
             wait_saved(store_dir, saved)
         for n, ps in prompts.items():
             for i, p in enumerate(ps):
-                t, first = ttft(eng, p)
+                t, first = ttft(eng, p, name)
                 results[n][f"{name}_cold"].append(t)
                 firsts[n].add((i, first))
                 if store_dir is not None:
                     saved += len(save_cuts(len(p), 0))  # no two prompts share a 256-token prefix
                     wait_saved(store_dir, saved)
-                t, first = ttft(eng, p)
+                t, first = ttft(eng, p, name)
                 results[n][f"{name}_warm_in_process"].append(t)
                 firsts[n].add((i, first))
     finally:
@@ -111,7 +116,7 @@ def run_connector(
         eng.generate([prompts[min(prompts)][0][:300][::-1][1:]], max_tokens=1)  # warm-up, a prompt never stored
         for n, ps in prompts.items():
             for i, p in enumerate(ps):
-                t, first = ttft(eng, p)
+                t, first = ttft(eng, p, name)
                 results[n][f"{name}_warm_fresh_process"].append(t)
                 firsts[n].add((i, first))
         if name == "kvpack":
@@ -201,6 +206,7 @@ def summary_line(n: int, results: dict, firsts: dict, *, repeat: int, core: int,
         "kvpack_refusals": results.get("_kvpack_fresh_refusals"),
         "verified": "kvpack: every stored byte of a load (pack HMAC, chunk SHA-256, keyed content ids) and the exact identity; ExampleConnector: nothing",
         "lmcache": lmcache_note,
+        "prefix_cache_reset_refused": dict(RESET_REFUSED),  # requests where vLLM's own cache could not be emptied (30 s)
         "host": {"cpus": os.cpu_count(), "machine": platform.machine(), "load_avg_1m_start": load_start, "load_avg_1m": round(os.getloadavg()[0], 2)},
     }
 
@@ -257,7 +263,7 @@ def main() -> None:
         eng.generate([prompts[lengths[0]][0][:300]], max_tokens=1)
         for n, ps in prompts.items():
             for i, p in enumerate(ps):
-                t, first = ttft(eng, p)
+                t, first = ttft(eng, p, "none")
                 results[n]["none_cold"].append(t)
                 firsts[n].add((i, first))
     finally:
