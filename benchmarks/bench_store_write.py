@@ -73,11 +73,7 @@ def write_store_pattern(directory: str, objects: list[bytes], threads: int) -> f
     def one(i: int) -> None:
         atomic_write(os.path.join(directory, f"c{i:06d}"), objects[i], mode=0o600, sync_dir=False, replace=False)
 
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(threads) as pool:
-        list(pool.map(one, range(len(objects))))
-    _fsync_dir(directory)
-    return time.perf_counter() - t0
+    return _timed_per_object(directory, len(objects), threads, one)
 
 
 def write_hash_then_pattern(directory: str, objects: list[bytes], threads: int) -> float:
@@ -92,9 +88,15 @@ def write_hash_then_pattern(directory: str, objects: list[bytes], threads: int) 
         hashlib.sha256(objects[i]).digest()
         atomic_write(os.path.join(directory, f"c{i:06d}"), objects[i], mode=0o600, sync_dir=False, replace=False)
 
+    return _timed_per_object(directory, len(objects), threads, one)
+
+
+def _timed_per_object(directory: str, count: int, threads: int, one) -> float:
+    """Seconds for ``one(i)`` of every object on ``threads`` threads, then one fsync of
+    ``directory`` (the shape every create-only pattern here shares)."""
     t0 = time.perf_counter()
     with ThreadPoolExecutor(threads) as pool:
-        list(pool.map(one, range(len(objects))))
+        list(pool.map(one, range(count)))
     _fsync_dir(directory)
     return time.perf_counter() - t0
 

@@ -86,16 +86,23 @@ def test_gc_keeps_the_forgotten_parent_of_a_delta_committed_during_its_mark(tmp_
     assert store.find_deepest(tokens, eng.layout, eng.ids()).cut == 900
 
 
-def test_gc_keeps_old_chunks_a_publisher_reuses_after_gc_listed_them(tmp_path, seaweed, monkeypatch):
+def _forgotten_768_cut_past_grace(tmp_path, seaweed, name: str):
+    """A store whose one 768-token cut was forgotten longer than the grace period ago: its
+    own chunks (tokens 512..768) are garbage gc may delete. Returns (store, engine, tokens)."""
     grace = WAITING_GRACE_S
-    store = S3Backend(seaweed, gc_grace_s=grace).new(tmp_path, name="reuse-race")
+    store = S3Backend(seaweed, gc_grace_s=grace).new(tmp_path, name=name)
     eng = engine()
     tokens = TOKENS[:768]
     session_with(eng, tokens, store)
     cut = store.find_deepest(tokens, eng.layout, eng.ids())
     assert cut is not None and cut.cut == 768
-    store.forget(cut.manifest_id)  # its own chunks (tokens 512..768) are now garbage
-    time.sleep(grace + 1.0)  # ... and older than the grace period
+    store.forget(cut.manifest_id)
+    time.sleep(grace + 1.0)
+    return store, eng, tokens
+
+
+def test_gc_keeps_old_chunks_a_publisher_reuses_after_gc_listed_them(tmp_path, seaweed, monkeypatch):
+    store, eng, tokens = _forgotten_768_cut_past_grace(tmp_path, seaweed, "reuse-race")
 
     republish = _Republisher(monkeypatch, eng, tokens, store)
     real_list = store.env.list
@@ -207,15 +214,7 @@ def test_gc_never_deletes_a_chunk_a_publisher_rewrote_between_the_age_check_and_
     republishing the forgotten cut rewrites that very chunk (same bytes, same ETag) and
     commits, then gc's DELETE lands. The publisher must not commit a cut gc may be deleting
     from: it sees the gc's sweep, waits for it, finds the chunk gone and writes it again."""
-    grace = WAITING_GRACE_S
-    store = S3Backend(seaweed, gc_grace_s=grace).new(tmp_path, name="head-delete")
-    eng = engine()
-    tokens = TOKENS[:768]
-    session_with(eng, tokens, store)
-    cut = store.find_deepest(tokens, eng.layout, eng.ids())
-    assert cut is not None and cut.cut == 768
-    store.forget(cut.manifest_id)  # its own chunks (tokens 512..768) are now garbage
-    time.sleep(grace + 1.0)  # ... and older than the grace period
+    store, eng, tokens = _forgotten_768_cut_past_grace(tmp_path, seaweed, "head-delete")
 
     republish = _Republisher(monkeypatch, eng, tokens, store)
     real_stat = store.env.stat
