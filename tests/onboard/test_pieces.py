@@ -404,6 +404,28 @@ def _armoured_der_mutation(flips: list[tuple[int, int]]) -> bytes:
     return b"-----BEGIN CERTIFICATE REQUEST-----\n" + base64.encodebytes(bytes(der)) + b"-----END CERTIFICATE REQUEST-----\n"
 
 
+@pytest.mark.parametrize("unused_bits", range(1, 8))
+def test_csr_whose_signature_declares_unused_bits_is_refused(unused_bits):
+    """Found by the fuzz below: cryptography verifies the signature's bytes whatever the BIT
+    STRING's unused-bit count says, so a request with that byte set was accepted as a second
+    encoding of the valid one."""
+    import base64
+
+    from cryptography import x509
+
+    csr = x509.load_pem_x509_csr(_VALID_CSR)
+    der = bytearray(csr.public_bytes(_der()))
+    signature = csr.signature
+    at = len(der) - len(signature) - 1  # the unused-bits octet sits just before the signature
+    assert der[at] == 0 and bytes(der[at + 1 :]) == signature
+    der[at] = unused_bits
+    der[-1] &= (0xFF << unused_bits) & 0xFF  # the declared unused bits are zero, as BER wants them
+    pem = b"-----BEGIN CERTIFICATE REQUEST-----\n" + base64.encodebytes(bytes(der)) + b"-----END CERTIFICATE REQUEST-----\n"
+    with pytest.raises(SecurityError, match="unused bits|signature is invalid|does not parse"):
+        E.check_node_csr(pem, "node-a", SANS)
+    E.check_node_csr(_VALID_CSR, "node-a", SANS)
+
+
 @settings(max_examples=400, deadline=None)
 @given(
     st.one_of(

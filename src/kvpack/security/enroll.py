@@ -700,6 +700,10 @@ def check_node_csr(csr_pem: bytes, name: str, sans: Iterable[str]) -> None:
         raise SecurityError("enrollment", f"CSR does not parse: {type(exc).__name__}: {exc}") from None
     if not valid:
         raise SecurityError("enrollment", "CSR signature is invalid: its holder does not own the key")
+    if not _signature_is_whole_octets(csr.public_bytes(_der())):
+        # cryptography verifies the signature's bytes and ignores the BIT STRING's unused-bit
+        # count, so without this one request would have many accepted encodings
+        raise SecurityError("enrollment", "CSR signature BIT STRING declares unused bits: not DER")
     if not isinstance(key, ec.EllipticCurvePublicKey) or key.curve.name != "secp256r1":
         raise SecurityError("enrollment", f"CSR key must be ECDSA P-256, got {type(key).__name__} {getattr(getattr(key, 'curve', None), 'name', '')}".rstrip())
     want_subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
@@ -719,6 +723,46 @@ def check_node_csr(csr_pem: bytes, name: str, sans: Iterable[str]) -> None:
     other = [e.oid.dotted_string for e in extensions if not isinstance(e.value, x509.SubjectAlternativeName)]
     if other:
         raise SecurityError("enrollment", f"CSR requests extensions the CA does not grant: {other}")
+
+
+def _der_element(der: bytes, at: int) -> tuple[int, int, int]:
+    """(tag, start of contents, end of contents) of the DER element at ``at``; ValueError if cut."""
+    if at + 2 > len(der):
+        raise ValueError("truncated DER header")
+    tag, first = der[at], der[at + 1]
+    at += 2
+    if first < 0x80:
+        length = first
+    else:
+        count = first & 0x7F
+        if count == 0 or count > 4 or at + count > len(der):
+            raise ValueError("bad DER length")
+        length = int.from_bytes(der[at : at + count], "big")
+        at += count
+    if at + length > len(der):
+        raise ValueError("DER element runs past its container")
+    return tag, at, at + length
+
+
+def _signature_is_whole_octets(der: bytes) -> bool:
+    """A CSR is SEQUENCE {info, algorithm, BIT STRING signature}: the signature must be all of
+    the rest and declare zero unused bits."""
+    try:
+        tag, start, end = _der_element(der, 0)
+        if tag != 0x30 or end != len(der):
+            return False
+        _, _, after_info = _der_element(der, start)
+        _, _, after_algorithm = _der_element(der, after_info)
+        tag, bits_start, bits_end = _der_element(der, after_algorithm)
+    except ValueError:
+        return False
+    return tag == 0x03 and bits_end == end and bits_end > bits_start and der[bits_start] == 0
+
+
+def _der():
+    from cryptography.hazmat.primitives import serialization
+
+    return serialization.Encoding.DER
 
 
 def _is_ip(name: str) -> bool:
