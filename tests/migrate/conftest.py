@@ -22,6 +22,7 @@ import httpx
 import pytest
 
 from kvpack.cli import main as kvpack_main
+from kvpack.testing import lifeline
 
 REPO = Path(__file__).resolve().parents[2]
 SSHD = shutil.which("sshd") or ("/usr/sbin/sshd" if os.path.exists("/usr/sbin/sshd") else None)
@@ -287,6 +288,7 @@ class Sshd:
             f"AuthorizedKeysFile {root / 'authorized_keys'}\nPasswordAuthentication no\nKbdInteractiveAuthentication no\n"
             "PubkeyAuthentication yes\nPermitRootLogin prohibit-password\nStrictModes no\nUsePAM no\n"
             f"AllowUsers {self.user}\nLogLevel ERROR\nMaxStartups 50\nMaxSessions 50\n"
+            + (f"SetEnv {lifeline.setenv_words()}\n" if lifeline.setenv_words() else "")  # sessions a killed run leaves are swept
         )
         self.proc: subprocess.Popen | None = None
 

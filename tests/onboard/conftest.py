@@ -28,6 +28,8 @@ from pathlib import Path
 
 import pytest
 
+from kvpack.testing import lifeline
+
 REPO = Path(__file__).resolve().parents[2]
 SRC = REPO / "src"
 SSHD = shutil.which("sshd") or ("/usr/sbin/sshd" if os.path.exists("/usr/sbin/sshd") else None)
@@ -170,7 +172,7 @@ def _write_sshd_config(root: Path, port: int, pw: pwd.struct_passwd, authorized:
         f"AuthorizedKeysFile {authorized}\nPasswordAuthentication no\nKbdInteractiveAuthentication no\n"
         "PubkeyAuthentication yes\nPermitRootLogin no\nStrictModes no\nUsePAM no\n"
         f"AllowUsers {NODE_USER}\nLogLevel ERROR\nMaxStartups 50\nMaxSessions 50\n"
-        f"SetEnv PYTHONPATH={SRC}\n"
+        f"SetEnv PYTHONPATH={SRC} {lifeline.setenv_words()}\n"  # the marker: units left by a killed run are swept
     )
     return config
 
