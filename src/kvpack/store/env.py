@@ -89,6 +89,12 @@ class StorageEnv(abc.ABC):
     gc_grace_s: float = 0.0
     #: threads worth running reads on (network backends want more than CPU count)
     io_parallelism: int = 0
+    #: whether a save looks for an existing chunk object before encoding and writing it.
+    #: True where the look is a cheap local open and a wasted write costs a write + fsync
+    #: (POSIX); False where it is a round trip per chunk (S3): the create-only write itself
+    #: answers "exists" (412) and the save then verifies and adopts -- or replaces -- the
+    #: stored object exactly as after a probe (kvpack.store.publish._store_chunk)
+    probe_before_create: bool = True
 
     # -- reads -------------------------------------------------------------------------------
     @abc.abstractmethod

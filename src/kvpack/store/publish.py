@@ -439,9 +439,10 @@ def _write_one_chunk(
             plaintext,
         )
         name = chunk_name(content_id)
-        ref = _existing_ref(store, ctx, fs, span, name, content_id)
-        if ref is not None:
-            return fs.key, index, ref, False, span.plaintext_bytes
+        if store.env.probe_before_create:
+            ref = _existing_ref(store, ctx, fs, span, name, content_id)
+            if ref is not None:
+                return fs.key, index, ref, False, span.plaintext_bytes
         salt, nonce = _salt_nonce(store)
         chunk = encode_chunk_parts(
             keys=store.keys,

@@ -143,6 +143,10 @@ class S3Env(StorageEnv):
         self.gc_grace_s = float(os.environ.get("KVPACK_S3_GC_GRACE_S", DEFAULT_GRACE_S)) if gc_grace_s is None else gc_grace_s
         self.lease_ttl_s = float(os.environ.get("KVPACK_S3_LEASE_TTL_S", LEASE_TTL_S))
         self.io_parallelism = 16
+        # chunk objects are content-addressed and immutable: a save PUTs with If-None-Match
+        # and looks at a stored copy only when the server answers 412, instead of a GET per
+        # chunk first (16 fewer requests per 64 MiB save; docs/store.md "Performance")
+        self.probe_before_create = False
         self.multipart_threshold = MULTIPART_THRESHOLD
         self.part_bytes = PART_BYTES
         self.range_bytes = RANGE_BYTES
