@@ -109,14 +109,27 @@ class RestoreReport:
     hashed_on: dict = field(default_factory=dict)
 
 
+class CutWithdrawn(StoreError):
+    """A restore found objects of its cut gone and the cut's index entry no longer naming
+    it: the cut was forgotten (or replaced) while the restore ran, and gc removed what only
+    it referenced. A miss (category ``miss``), not damage: nothing is quarantined and the
+    live session is untouched."""
+
+    def __init__(self, hit: "Hit", why: str) -> None:
+        super().__init__("miss", f"cut {hit.manifest_id.hex()} was withdrawn from the index while the restore ran ({why})")
+        self.hit = hit
+
+
 @dataclass
 class Lookup:
-    """What :meth:`PackStore.lookup_restore` did: the cut restored (or None: a miss) and the
-    receipts of cuts it quarantined on the way."""
+    """What :meth:`PackStore.lookup_restore` did: the cut restored (or None: a miss), the
+    receipts of cuts it quarantined on the way, and how many cuts it found were withdrawn
+    (forgotten or replaced) while it restored them (:class:`CutWithdrawn`)."""
 
     hit: Hit | None
     report: RestoreReport | None
     quarantined: list[dict] = field(default_factory=list)
+    withdrawn: int = 0
 
 
 @dataclass
@@ -216,6 +229,9 @@ class PackStore:
         self.keys = KeySchedule.derive(root, self.tenant, self.epoch)
         # hashing/AEAD/reads run on this many threads; 1 makes the I/O order deterministic
         self.tuning = RestoreTuning(workers=max(default_workers(), env.io_parallelism))
+        #: restores of this handle that ended as a :class:`CutWithdrawn` miss (a counter
+        #: for the daemons' and the benchmarks' reports; never reset here)
+        self.withdrawn_restores = 0
 
     @property
     def ops(self) -> FileOps:
@@ -376,7 +392,26 @@ class PackStore:
 
         Any mismatch refuses with StoreError and the live session is left untouched. A prefix
         cut (no logits row) is a ``miss`` unless ``require_logits=False``; it is then committed
-        with ``install.commit(require_logits=False)``."""
+        with ``install.commit(require_logits=False)``. A cut whose objects went missing
+        because it was forgotten (or replaced) while the restore ran is a
+        :class:`CutWithdrawn` miss, not ``incomplete``."""
+        try:
+            return self._restore(hit, session, tokens, aux=aux, require_logits=require_logits)
+        except StoreError as exc:
+            if exc.category != "incomplete" or not self._withdrawn(hit):
+                raise
+            self.withdrawn_restores += 1
+            raise CutWithdrawn(hit, exc.message) from None
+
+    def _withdrawn(self, hit: Hit) -> bool:
+        """Whether ``hit``'s index entry no longer names its cut (gone, or another cut). A
+        malformed entry is not a withdrawal: the refusal stands (healing quarantines it)."""
+        try:
+            return self._read_index(hit.node_id) != hit.manifest_id
+        except StoreError:
+            return False
+
+    def _restore(self, hit: Hit, session: Any, tokens: Sequence[int], *, aux: Sequence[tuple[bytes, bytes]], require_logits: bool) -> RestoreReport:
         t0 = time.perf_counter()
         layout: CacheLayout = session.layout
         ids = _engine_ids(session)
@@ -461,16 +496,25 @@ class PackStore:
         ``incomplete``) is quarantined with a receipt and comes back as a miss
         ``(None, receipt)``; the live session is untouched either way. Other refusals (I/O,
         lock, usage) propagate: they say nothing about the stored bytes."""
+        report, receipt, _withdrawn = self._restore_healing(hit, session, tokens, aux=aux, require_logits=require_logits)
+        return report, receipt
+
+    def _restore_healing(
+        self, hit: Hit, session: Any, tokens: Sequence[int], *, aux: Sequence[tuple[bytes, bytes]], require_logits: bool
+    ) -> tuple[RestoreReport | None, dict | None, bool]:
+        """:meth:`restore_healing`, also saying whether the miss was a :class:`CutWithdrawn`."""
         try:
-            return self.restore(hit, session, tokens, aux=aux, require_logits=require_logits), None
+            return self.restore(hit, session, tokens, aux=aux, require_logits=require_logits), None, False
+        except CutWithdrawn:
+            return None, None, True
         except StoreError as exc:
             if exc.category == "miss":
-                return None, None
+                return None, None, False
             if exc.category not in ("corrupt", "incomplete"):
                 raise
             from .maintenance import quarantine_after_refusal
 
-            return None, quarantine_after_refusal(self, hit, exc)
+            return None, quarantine_after_refusal(self, hit, exc), False
 
     def lookup_restore(
         self,
@@ -486,22 +530,28 @@ class PackStore:
         """The one lookup every consumer uses (generate, the daemons' ladder, the vLLM
         connector): find the deepest cut, restore it verified, and treat a cut that fails
         verification as a miss -- quarantined with a receipt, then the next shallower cut is
-        tried. The caller recomputes what was not restored and republishes it.
+        tried. A cut forgotten while it was being restored (:class:`CutWithdrawn`) is a miss
+        too, counted in ``Lookup.withdrawn``, and the lookup goes on with the next cut. The
+        caller recomputes what was not restored and republishes it.
         ``require_logits=False`` also takes prefix cuts (engines that compute the next row)."""
         layout = layout if layout is not None else session.layout
         ids = ids if ids is not None else _engine_ids(session)
         quarantined: list[dict] = []
+        withdrawn = 0
         for _ in range(max_attempts):
             hit = self.find_deepest(tokens, layout, ids, aux, require_logits=require_logits)
             if hit is None:
                 break
-            report, receipt = self.restore_healing(hit, session, tokens, aux=aux, require_logits=require_logits)
+            report, receipt, was_withdrawn = self._restore_healing(hit, session, tokens, aux=aux, require_logits=require_logits)
             if report is not None:
-                return Lookup(hit, report, quarantined)
+                return Lookup(hit, report, quarantined, withdrawn)
+            if was_withdrawn:
+                withdrawn += 1  # forgotten while restoring: a shallower cut may still serve
+                continue
             if receipt is None:
-                break  # a plain miss (identity, or the entry moved meanwhile)
+                break  # a plain miss (identity, a prefix cut)
             quarantined.append(receipt)
-        return Lookup(None, None, quarantined)
+        return Lookup(None, None, quarantined, withdrawn)
 
     def ls(self) -> list[dict]:
         from .maintenance import ls
