@@ -163,7 +163,9 @@ def _enroll(world: World) -> None:
     for argv in (
         ["enroll", "init", world.cluster, "--identity", world.identity],
         ["enroll", "node", world.cluster, "pre-a", "--role", "producer", "--control-listen", f"127.0.0.1:{free_port()}"],
-        ["enroll", "node", world.cluster, "dec-a", "--role", "receiver", "--listen", f"127.0.0.1:{free_port()}"],
+        # port 0: the receivers the cases start bind the kernel's pick (a port reserved here and
+        # released could be taken by any process before a case binds it)
+        ["enroll", "node", world.cluster, "dec-a", "--role", "receiver", "--listen", "127.0.0.1:0"],
         ["enroll", "node", world.cluster, "st-a", "--role", "storage"],
     ):
         r = run_cli(argv)

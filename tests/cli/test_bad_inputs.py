@@ -42,6 +42,13 @@ from kvpack.commands import _args
 
 from .conftest import ENGINE, check_contract, foreign_address, free_port, node_config, run_cli, write_secret
 
+# A receiver probes its replay-ledger volume (C.9) before it binds anything and refuses a worst
+# reservation over 100 ms. A loaded 2-core CI box stalls a fsync past that (209 ms seen here with
+# two busy loops running), which turned a rare port, lock or identity case into a "volume"
+# refusal. The probe and its gate are tested on their own (tests/security/test_probe.py); every
+# receiver started here for another reason gets this loose gate (as tests/node/helpers.py does).
+LOOSE_GATE = ["--ledger-max-tail-ms", "5000"]
+
 REPO = Path(__file__).resolve().parents[2]
 
 # -- 1. the parse walk ------------------------------------------------------------------------
@@ -440,7 +447,7 @@ RUNTIME_CASES = [
     _c("receiver malformed config", ["receiver", "--config", "{bad_json}", "--engine", ENGINE], 2, "config"),
     _c("receiver given the producer config", ["receiver", "--config", "{pcfg}", "--engine", ENGINE], 2, "config"),
     _c("producer given the receiver config", ["producer", "--config", "{rcfg}", "--engine", ENGINE], 2, "config"),
-    _c("receiver other engine identity", ["receiver", "--config", "{rcfg}", "--engine", "arrays:4:2:16", "--no-metrics"], 2, "config"),
+    _c("receiver other engine identity", ["receiver", "--config", "{rcfg}", "--engine", "arrays:4:2:16", "--no-metrics", *LOOSE_GATE], 2, "config"),
     _c("receiver metrics on a public address", ["receiver", "--config", "{rcfg}", "--engine", ENGINE, "--metrics-listen", "0.0.0.0:0"], 2, "usage"),
     _c("receiver --threads 0", ["receiver", "--config", "{rcfg}", "--threads", "0"], 2, "usage", issue=True),
     _c("receiver --socket over 107 bytes", ["receiver", "--config", "{rcfg}", "--socket", "{long_sock}"], 2, "usage", issue=True),
@@ -511,7 +518,7 @@ def special(issue: bool = False) -> Callable:
 def test_receiver_data_port_in_use(world):
     with _held_port() as port:
         cfg = _enroll_receiver(world, "dec-busy", f"127.0.0.1:{port}")
-        r = run_cli(["receiver", "--config", cfg, "--engine", ENGINE, "--no-store", "--socket", f"{world.root}/busy.sock"])
+        r = run_cli(["receiver", "--config", cfg, "--engine", ENGINE, "--no-store", "--socket", f"{world.root}/busy.sock", *LOOSE_GATE])
     check_contract(r, 1, "address_in_use")
     assert f"127.0.0.1:{port}" in r.line
 
@@ -519,7 +526,7 @@ def test_receiver_data_port_in_use(world):
 @special(issue=True)
 def test_receiver_at_an_address_this_host_does_not_have(world):
     cfg = _enroll_receiver(world, "dec-far", f"{foreign_address()}:29590")
-    r = run_cli(["receiver", "--config", cfg, "--engine", ENGINE, "--no-store", "--socket", f"{world.root}/far.sock"])
+    r = run_cli(["receiver", "--config", cfg, "--engine", ENGINE, "--no-store", "--socket", f"{world.root}/far.sock", *LOOSE_GATE])
     check_contract(r, 1, "address_not_available")
     assert "29590" in r.line
 
@@ -527,7 +534,9 @@ def test_receiver_at_an_address_this_host_does_not_have(world):
 @special()
 def test_receiver_metrics_port_in_use(world):
     with _held_port() as port:
-        r = run_cli(["receiver", "--config", world.rcfg, "--engine", ENGINE, "--no-store", "--socket", f"{world.root}/m.sock", "--metrics-port", str(port)])
+        # the data port is picked by the kernel (--listen :0): no other port can be busy first
+        argv = ["receiver", "--config", world.rcfg, "--listen", "127.0.0.1:0", "--engine", ENGINE, "--no-store", "--socket", f"{world.root}/m.sock"]
+        r = run_cli([*argv, "--metrics-port", str(port), *LOOSE_GATE])
     check_contract(r, 1, "address_in_use")
     assert "metrics" in r.line
 
@@ -559,7 +568,7 @@ def test_receiver_ledger_held_by_another_process(world):
     cfg = load_receiver_config(world.rcfg)
     os.makedirs(os.path.dirname(cfg.replay_ledger), exist_ok=True)
     with ReplayLedger.open(cfg.replay_ledger):
-        r = run_cli(["receiver", "--config", world.rcfg, "--engine", ENGINE, "--no-store", "--socket", f"{world.root}/l.sock"])
+        r = run_cli(["receiver", "--config", world.rcfg, "--engine", ENGINE, "--no-store", "--socket", f"{world.root}/l.sock", *LOOSE_GATE])
     check_contract(r, 11, "locked")
 
 
@@ -602,9 +611,11 @@ def test_request_to_a_live_decode_node_whose_producer_is_down(world):
     from kvpack.node.receiver import ReceiverNode
     from kvpack.security.config import load_receiver_config
 
-    cfg = _enroll_receiver(world, "dec-live", f"127.0.0.1:{free_port()}")
+    cfg = _enroll_receiver(world, "dec-live", "127.0.0.1:0")  # the kernel's pick: never a port taken since
     sock = f"{world.root}/live.sock"
-    node = ReceiverNode(load_receiver_config(cfg), load_engine(ENGINE), receipts_dir=f"{world.root}/live-receipts", metrics_port=None, socket_path=sock)
+    node = ReceiverNode(
+        load_receiver_config(cfg), load_engine(ENGINE), receipts_dir=f"{world.root}/live-receipts", metrics_port=None, socket_path=sock, ledger_max_tail_ms=5000
+    )
     node.start()
     try:
         r = run_cli(["request", "--socket", sock, "--tokens-file", world.tokens, "--max-new-tokens", "1"])
@@ -617,9 +628,9 @@ def test_request_to_a_live_decode_node_whose_producer_is_down(world):
 MISSING_EXTRAS = [
     ("httpx", ["transfer", "status", "t1", "--config", "{node_json}"], "node"),
     ("httpx", ["session", "list", "--config", "{node_json}"], "node"),
-    ("prometheus_client", ["receiver", "--config", "{rcfg}", "--engine", ENGINE, "--no-store"], "node"),
+    ("prometheus_client", ["receiver", "--config", "{rcfg}", "--engine", ENGINE, "--no-store", *LOOSE_GATE], "node"),
     ("transformers", ["demo"], "engine"),
-    ("torch", ["receiver", "--config", "{rcfg}", "--no-store"], "engine"),
+    ("torch", ["receiver", "--config", "{rcfg}", "--no-store", *LOOSE_GATE], "engine"),
     ("boto3", ["store", "ls", "s3://bucket/prefix", "--endpoint", "http://127.0.0.1:1", "--root-key-file", "{key}"], "store"),
 ]
 
@@ -680,7 +691,7 @@ def test_help_into_a_closed_pipe():
 def test_daemon_port_in_use_as_a_real_process(world):
     with _held_port() as port:
         cfg = _enroll_receiver(world, "dec-proc", f"127.0.0.1:{port}")
-        proc = _kvpack("receiver", "--config", cfg, "--engine", ENGINE, "--no-store", "--socket", f"{world.root}/proc.sock")
+        proc = _kvpack("receiver", "--config", cfg, "--engine", ENGINE, "--no-store", "--socket", f"{world.root}/proc.sock", *LOOSE_GATE)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert lines[-1].startswith("kvpack: address_in_use: ") and f"127.0.0.1:{port}" in lines[-1]
@@ -734,7 +745,7 @@ def test_sigint_is_exit_130(world):
 @special(issue=True)
 def test_identity_mismatch_at_start_names_the_thread_count(world):
     """The issue: the thread-count mismatch error never said "threads"."""
-    r = run_cli(["receiver", "--config", world.rcfg, "--engine", "arrays:4:2:16", "--no-metrics", "--socket", f"{world.root}/t.sock"])
+    r = run_cli(["receiver", "--config", world.rcfg, "--engine", "arrays:4:2:16", "--no-metrics", "--socket", f"{world.root}/t.sock", *LOOSE_GATE])
     check_contract(r, 2, "config")
     assert "--threads" in r.line and "thread count is part of the identity" in r.line
 
