@@ -40,14 +40,7 @@ import pytest
 from kvpack.cli import build_parser, leaf_parsers
 from kvpack.commands import _args
 
-from .conftest import ENGINE, check_contract, foreign_address, free_port, node_config, run_cli, write_secret
-
-# A receiver probes its replay-ledger volume (C.9) before it binds anything and refuses a worst
-# reservation over 100 ms. A loaded 2-core CI box stalls a fsync past that (209 ms seen here with
-# two busy loops running), which turned a rare port, lock or identity case into a "volume"
-# refusal. The probe and its gate are tested on their own (tests/security/test_probe.py); every
-# receiver started here for another reason gets this loose gate (as tests/node/helpers.py does).
-LOOSE_GATE = ["--ledger-max-tail-ms", "5000"]
+from .conftest import ENGINE, LOOSE_GATE, check_contract, foreign_address, free_port, node_config, run_cli, write_secret
 
 REPO = Path(__file__).resolve().parents[2]
 

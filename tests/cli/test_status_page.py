@@ -27,7 +27,7 @@ import pytest
 
 from kvpack.errors import KvpackError
 
-from .conftest import ENGINE, check_contract, free_port, run_cli
+from .conftest import ENGINE, LOOSE_GATE, check_contract, run_cli
 
 REPO = Path(__file__).resolve().parents[2]
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -79,9 +79,10 @@ def running(world, tmp_path_factory):
     from kvpack.security.enroll import Cluster
 
     tmp = tmp_path_factory.mktemp("status")
-    ctl = free_port()
-    assert run_cli(["enroll", "node", world.cluster, "pre-s", "--role", "producer", "--control-listen", f"127.0.0.1:{ctl}"]).code == 0
-    assert run_cli(["enroll", "node", world.cluster, "dec-s", "--role", "receiver", "--listen", f"127.0.0.1:{free_port()}"]).code == 0
+    # enrollment wants a real control port; the daemons below bind the kernel's picks instead
+    # (--control-listen/--listen :0), so no port reserved here and released can be taken first
+    assert run_cli(["enroll", "node", world.cluster, "pre-s", "--role", "producer", "--control-listen", "127.0.0.1:29591"]).code == 0
+    assert run_cli(["enroll", "node", world.cluster, "dec-s", "--role", "receiver", "--listen", "127.0.0.1:0"]).code == 0
     cluster = Cluster.open(world.cluster)
     # an onboarding record as the admin-side wizard writes it (schema kvpack-onboard-state-v1)
     record = Path(world.cluster) / "onboard" / "gpu-7" / "state.json"
@@ -99,10 +100,24 @@ def running(world, tmp_path_factory):
             }
         )
     )
-    producer = Daemon(["producer", "--config", cluster.producer_config_path("pre-s"), "--engine", ENGINE], tmp / "producer.log")
+    producer = Daemon(
+        ["producer", "--config", cluster.producer_config_path("pre-s"), "--engine", ENGINE, "--control-listen", "127.0.0.1:0"], tmp / "producer.log"
+    )
     sock = str(tmp / "r.sock")
+    control = f"127.0.0.1:{producer.ready['control_port']}"
+    receiver_argv = [
+        "receiver",
+        "--config",
+        cluster.receiver_config_path("dec-s", "pre-s"),
+        "--engine",
+        ENGINE,
+        "--socket",
+        sock,
+        "--producer-control",
+        control,
+    ]
     receiver = Daemon(
-        ["receiver", "--config", cluster.receiver_config_path("dec-s", "pre-s"), "--engine", ENGINE, "--socket", sock, "--cluster-dir", world.cluster],
+        [*receiver_argv, "--cluster-dir", world.cluster, *LOOSE_GATE],
         tmp / "receiver.log",
     )
     try:

@@ -258,7 +258,7 @@ def test_refused_connection_flood_into_a_16_mib_filesystem(tmp_path):
         subprocess.run(["umount", "-l", fs], capture_output=True)
 
 
-def test_taken_data_port_fails_before_the_model_loads(tmp_path, monkeypatch):
+def test_taken_data_port_fails_before_the_model_loads(tmp_path, monkeypatch, capsys):
     """In process: the engine loader must never be reached when the port is taken."""
     from kvpack import cli
     from kvpack.node import common
@@ -280,8 +280,12 @@ def test_taken_data_port_fails_before_the_model_loads(tmp_path, monkeypatch):
             raise AssertionError("the engine was loaded before the port was bound")
 
         monkeypatch.setattr(common, "load_engine", never)
-        code = cli.main(["receiver", "--config", path, "--engine", ENGINE, "--no-store", "--no-metrics", "--socket", _sock_path()])
-    assert code == 1
+        # the loose ledger gate: a loaded box's slow fsync must not refuse first (exit 1 as well)
+        code = cli.main(
+            ["receiver", "--config", path, "--engine", ENGINE, "--no-store", "--no-metrics", "--socket", _sock_path(), "--ledger-max-tail-ms", "5000"]
+        )
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and err[-1].startswith("kvpack: address_in_use: ") and f"127.0.0.1:{port}" in err[-1], err
 
 
 def test_api_socket_of_a_live_daemon_is_not_taken_over_by_a_second(tmp_path):
