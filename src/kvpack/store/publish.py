@@ -179,12 +179,9 @@ def _plan(store: PackStore, chain: PrefixChain, ctx: _Context, cut: int, max_dep
 
 
 def _pick_parent(store: PackStore, chain: PrefixChain, ctx: _Context, max_depth: int, lease: Lease) -> tuple[Manifest, bytes] | None:
-    for node in reversed(chain.nodes[:-1]):
-        if not node.reusable:
-            continue
-        try:
-            mid = store._read_index(node.node_id)
-        except StoreError:
+    nodes = [node for node in reversed(chain.nodes[:-1]) if node.reusable]
+    for node, mid in store._index_deepest_first(nodes):
+        if isinstance(mid, StoreError):
             return None
         if mid is None:
             continue
