@@ -1,6 +1,7 @@
 """Shared pytest fixtures: where the read-only shared/ tree (spec, conformance vectors) lives;
-and the lifeline (kvpack.testing.lifeline): every process this run starts dies with it, and
-the strays of an earlier run that was killed outright are swept before any test starts."""
+the lifeline (kvpack.testing.lifeline): every process this run starts dies with it, and the
+strays of an earlier run that was killed outright are swept before any test starts; and the
+Hypothesis profile every property test runs under (kvpack.testing.hypothesis_profile)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from kvpack.testing import lifeline
+from kvpack.testing import hypothesis_profile, lifeline
+
+# before any test module builds its settings(...): kvpack.testing.hypothesis_profile says why
+hypothesis_profile.load()
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import hashlib
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpack.format import (
@@ -26,7 +26,7 @@ from kvpack.format.validate import validate_manifest
 
 from .strategies import families, ids, schemas_for
 
-SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+SETTINGS = settings(max_examples=150, deadline=None)  # too_slow, data_too_large: off in the suite profile (tests/conftest.py)
 
 
 @SETTINGS

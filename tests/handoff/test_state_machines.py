@@ -3,7 +3,7 @@ input the machine is in a valid state, or it raised a typed ProtocolError and is
 (and stays closed). The receiver commits only for the one valid sequence."""
 
 import pytest
-from hypothesis import HealthCheck, example, given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 from kvpack.errors import ProtocolError
 from kvpack.handoff.events import Abort, Ack
@@ -43,7 +43,7 @@ def _apply(r, item):
     return r.abort("local")
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=400, deadline=None)  # too_slow: off in the suite profile (tests/conftest.py)
 @given(st.lists(st.sampled_from(range(len(RECEIVER_INPUTS))), max_size=16))
 @example(list(range(len(_DECODED))))
 @example(list(range(len(_DECODED))) + [len(_DECODED) + 2, len(_DECODED) + 3])

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -163,7 +163,8 @@ class TwoTransfersOfOneSession(RuleBasedStateMachine):
                 assert dest is not None and dest.status == M.COMMITTED
 
 
-TwoTransfersOfOneSession.TestCase.settings = settings(max_examples=300, stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# too_slow: off in the suite profile (tests/conftest.py)
+TwoTransfersOfOneSession.TestCase.settings = settings(max_examples=300, stateful_step_count=30, deadline=None)
 test_two_transfers_of_one_session = TwoTransfersOfOneSession.TestCase
 
 
