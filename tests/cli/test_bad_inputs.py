@@ -715,20 +715,29 @@ def test_debug_prints_the_traceback_and_the_line(world):
 
 @special()
 def test_sigint_is_exit_130(world):
-    """A daemon interrupted while it starts (SIGINT) exits 130 with one line, no traceback."""
+    """A daemon interrupted while it starts (SIGINT) exits 130 with one line, no traceback.
+
+    The signal goes in once the volume probe's files appear, i.e. inside ``main``: a fixed wait
+    (it was 2 s) could end before a loaded box had imported kvpack.cli, and a SIGINT during the
+    import is Python's own KeyboardInterrupt traceback, not kvpack's line."""
+    probe_dir = world.root / "sigint-probe"
+    probe_dir.mkdir()
     env = dict(os.environ, PYTHONPATH=str(REPO / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.Popen(
         [
             sys.executable,
             "-c",
-            "import time,sys; from kvpack.cli import main; time.sleep(0.1); sys.exit(main(['probe-volume', sys.argv[1], '--iterations', '100000']))",
-            str(world.root),
+            "import sys; from kvpack.cli import main; sys.exit(main(['probe-volume', sys.argv[1], '--iterations', '100000']))",
+            str(probe_dir),
         ],
         stderr=subprocess.PIPE,
         text=True,
         env=env,
     )
-    time.sleep(2.0)
+    deadline = time.monotonic() + 120  # a bound for a loaded box, not a timing claim
+    while not any("ledger-probe-" in name for name in os.listdir(probe_dir)):  # the file or its temp
+        assert proc.poll() is None and time.monotonic() < deadline, f"the probe never started (rc {proc.poll()})"
+        time.sleep(0.01)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130 and "Traceback" not in err, err
