@@ -216,16 +216,23 @@ def test_daemon_logs_one_json_line_per_transfer_with_its_receipt(running):
     assert requests[0]["action"] == "full_transfer" and requests[0]["decoded_tokens"] == 4
 
 
+def _chromium(*args: str) -> subprocess.CompletedProcess:
+    """Headless chromium, started as a Popen from the main thread so the lifeline ties it to
+    this run (tests/conftest.py leaves the blocking subprocess.run untied)."""
+    with subprocess.Popen([CHROMIUM, *FLAGS, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
 @pytest.mark.skipif(CHROMIUM is None, reason="Debian chromium is not installed (scripts/install.sh installs it as root)")
 def test_status_page_in_headless_chromium(running, tmp_path):
     url = running["base"] + "status"
     profile = tmp_path / "profile"
-    dom = subprocess.run(
-        [CHROMIUM, *FLAGS, f"--user-data-dir={profile}", "--virtual-time-budget=2000", "--dump-dom", url],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    dom = _chromium(f"--user-data-dir={profile}", "--virtual-time-budget=2000", "--dump-dom", url)
     assert dom.returncode == 0, dom.stderr[-2000:]
     html = dom.stdout
     (tmp_path / "status.dom.html").write_text(html)
@@ -250,11 +257,6 @@ def test_status_page_in_headless_chromium(running, tmp_path):
     # nothing external: no script, no link, no src= to another origin
     assert "<script" not in html and "<link" not in html and not re.search(r'src="(?!data:)', html)
     shot = tmp_path / "status.png"
-    pic = subprocess.run(
-        [CHROMIUM, *FLAGS, f"--user-data-dir={profile}", "--window-size=1280,1600", f"--screenshot={shot}", url],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    pic = _chromium(f"--user-data-dir={profile}", "--window-size=1280,1600", f"--screenshot={shot}", url)
     assert pic.returncode == 0 and shot.stat().st_size > 10_000, pic.stderr[-2000:]
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
