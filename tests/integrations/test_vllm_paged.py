@@ -100,6 +100,51 @@ def test_scatter_then_gather_round_trips_and_touches_nothing_else(data):
                 assert torch.equal(k_now[b, :, :, slot], k_old[b, :, :, slot]) and torch.equal(v_now[b, :, slot], v_old[b, :, slot])
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_staged_pieces_in_any_order_commit_exactly_the_scatter_of_the_whole(data):
+    """A load stages each verified chunk's rows as it comes (any order, any split, pieces
+    crossing block boundaries): committing them writes the same bytes as one scatter of all
+    the rows, and nothing before the commit."""
+    caches = paged_caches(num_blocks=16, seed=2)
+    paged = PagedKV(caches)
+    ref_caches = {n: t.clone() for n, t in caches.items()}
+    reference = PagedKV(ref_caches)
+    before = {n: t.clone() for n, t in caches.items()}
+    nblocks = data.draw(st.integers(1, 5))
+    block_ids = data.draw(st.lists(st.integers(0, 15), min_size=nblocks, max_size=nblocks, unique=True))
+    start = BLOCK * data.draw(st.integers(0, nblocks - 1))
+    n = data.draw(st.integers(1, nblocks * BLOCK - start))
+    cuts = sorted(data.draw(st.sets(st.integers(1, n - 1), max_size=4)) if n > 1 else set())
+    pieces = list(zip([0, *cuts], [*cuts, n]))
+    rows = {layer: torch.randn((2, n, HEADS * HEAD_DIM)) for layer in range(LAYERS)}
+    staged = paged.staging(block_ids, start, start + n)
+    order = data.draw(st.permutations([(layer, role, a, b) for layer in range(LAYERS) for role in (0, 1) for a, b in pieces]))
+    for layer, role, a, b in order:
+        staged.write(layer, role, start + a, rows[layer][role, a:b])
+    assert all(torch.equal(caches[k], before[k]) for k in caches)  # nothing written yet
+    for layer in range(LAYERS):
+        staged.commit(layer)
+        reference.scatter(layer, block_ids, start, rows[layer])
+    for name in caches:
+        assert torch.equal(caches[name], ref_caches[name])
+
+
+def test_staging_refuses_rows_outside_its_range_or_of_another_shape():
+    paged = PagedKV(paged_caches(num_blocks=8))
+    staged = paged.staging([1, 2], 0, 40)
+    with pytest.raises(EngineError):
+        staged.write(0, 0, 30, torch.zeros((11, HEADS * HEAD_DIM)))  # rows [30, 41) past the end
+    with pytest.raises(EngineError):
+        staged.write(0, 2, 0, torch.zeros((4, HEADS * HEAD_DIM)))  # no third plane
+    with pytest.raises(EngineError):
+        staged.write(0, 0, 0, torch.zeros((4, HEADS * HEAD_DIM), dtype=torch.float16))
+    with pytest.raises(EngineError):
+        paged.staging([1, 2], 8, 40)  # not block-aligned
+    with pytest.raises(EngineError):
+        paged.staging([1], 0, 40)  # two blocks needed, one in the table
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_layout_is_the_one_vllms_cache_kernel_writes(dtype):
     pytest.importorskip("vllm")

@@ -12,6 +12,8 @@ from __future__ import annotations
 import hashlib
 import hmac
 import struct
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from . import constants as C
@@ -188,11 +190,64 @@ def pack_structure(data: bytes | memoryview) -> tuple[PackHeader, PackFooter]:
     return h, f
 
 
-def decode_pack(data: bytes | memoryview, keys: Keys, *, max_restored_bytes: int = C.DEFAULT_MAX_RESTORED_BYTES) -> tuple[Manifest, bytes]:
+class ManifestCache:
+    """Parsed and validated manifests by manifest id (bounded, least recently used first
+    out; thread-safe): what :func:`decode_pack` may reuse instead of parsing again.
+
+    Only the *parsing* is memoised. The manifest id is the SHA-256 of the canonical
+    manifest bytes (``D_MANIFEST || plaintext``), and parsing plus validation is a pure
+    function of those bytes and the size bound, so a plaintext whose id matches an entry is
+    byte for byte the one that entry was parsed from. Every other check of a pack (its
+    structure, header digest, footer HMAC under the caller's keys, AEAD, the id itself, the
+    header's tenant and epoch) runs on every decode: a damaged or replaced pack file is
+    refused exactly as without a cache, and an entry never vouches for bytes it was not
+    parsed from. The vLLM connector decodes a cut's chain in its lookup and again in the
+    load (several packs of ~60 states each, milliseconds apiece in Python); with a cache the
+    second decode is a dictionary look-up."""
+
+    def __init__(self, capacity: int = 256) -> None:
+        if capacity < 1:
+            raise ValueError("a manifest cache holds at least one manifest")
+        self.capacity = capacity
+        self._entries: OrderedDict[tuple[bytes, int], Manifest] = OrderedDict()
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+
+    def get(self, manifest_id: bytes, max_restored_bytes: int) -> Manifest | None:
+        with self._lock:
+            manifest = self._entries.get((manifest_id, max_restored_bytes))
+            if manifest is None:
+                self.misses += 1
+                return None
+            self._entries.move_to_end((manifest_id, max_restored_bytes))
+            self.hits += 1
+            return manifest
+
+    def put(self, manifest_id: bytes, max_restored_bytes: int, manifest: Manifest) -> None:
+        with self._lock:
+            self._entries[(manifest_id, max_restored_bytes)] = manifest
+            self._entries.move_to_end((manifest_id, max_restored_bytes))
+            while len(self._entries) > self.capacity:
+                self._entries.popitem(last=False)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+def decode_pack(
+    data: bytes | memoryview, keys: Keys, *, max_restored_bytes: int = C.DEFAULT_MAX_RESTORED_BYTES, manifests: ManifestCache | None = None
+) -> tuple[Manifest, bytes]:
     """Verify a pack and return (validated manifest, canonical manifest bytes).
 
     ``keys`` is the caller's key schedule (or a KeyRing, from which the schedule for the
     header's epoch is taken): the header epoch only selects among keys the caller holds.
+    ``manifests`` (optional) reuses the parse of a manifest already validated from the very
+    same plaintext (:class:`ManifestCache`); every check of the pack itself still runs.
     """
     h, f = pack_structure(data)
     length = len(data)
@@ -209,11 +264,17 @@ def decode_pack(data: bytes | memoryview, keys: Keys, *, max_restored_bytes: int
         plain = bytes(body)
     if len(plain) != h.plaintext_bytes or hashlib.sha256(C.D_MANIFEST + plain).digest() != h.manifest_id:
         raise fail("authentication", "pack: manifest length or id differs from the header")
-    manifest = Manifest.decode(plain, validate=False)
+    # the plaintext is authentic and its SHA-256 is h.manifest_id: a cached parse of that id
+    # is a parse of these very bytes
+    cached = manifests.get(h.manifest_id, max_restored_bytes) if manifests is not None else None
+    manifest = cached if cached is not None else Manifest.decode(plain, validate=False)
     if manifest.tenant != h.tenant or manifest.key_epoch != h.key_epoch:
         raise fail("authentication", "pack: manifest tenant/epoch differ from the header")
-    validate_manifest(manifest, max_restored_bytes=max_restored_bytes)
+    if cached is None:
+        validate_manifest(manifest, max_restored_bytes=max_restored_bytes)
+        if manifests is not None:
+            manifests.put(h.manifest_id, max_restored_bytes, manifest)
     return manifest, plain
 
 
-__all__ = ["encode_pack", "decode_pack", "pack_structure", "PackHeader", "PackFooter", "KeyRing"]
+__all__ = ["encode_pack", "decode_pack", "ManifestCache", "pack_structure", "PackHeader", "PackFooter", "KeyRing"]

@@ -43,7 +43,7 @@ from ..format.chunk import ChunkHeader, decode_chunk, verify_chunk_standalone
 from ..format.identity import PrefixChain, auxiliary_root, prefix_context
 from ..format.keys import KeySchedule
 from ..format.objects import ChunkRef, Family, Manifest, Span, StateKey
-from ..format.pack import decode_pack
+from ..format.pack import ManifestCache, decode_pack
 from .env import RESTORE, ObjectMissing, StorageEnv
 from .mapping import LOGITS_NAME, family_for, logits_family, semantic_id, tenant_id
 
@@ -57,6 +57,12 @@ STORE_VERSION = 1
 DEFAULT_CHUNK_BYTES = 2 << 20
 #: plaintext bytes of a prefix cut's logits object: the manifest id alone, no row
 PREFIX_MARKER_BYTES = 32
+#: Parsed manifests shared by every store of this process (format.pack.ManifestCache: only
+#: the parse of an authenticated plaintext with the same SHA-256 is reused; each pack file is
+#: read and authenticated again on every load). A lookup and the load after it decode the
+#: same chain, often through two PackStore objects (vLLM's scheduler and worker connectors);
+#: 256 manifests of a 30-layer model are a few MB.
+MANIFESTS = ManifestCache(256)
 
 
 def chunk_name(content_id: bytes) -> str:
@@ -392,7 +398,7 @@ class PackStore:
             except ObjectMissing:
                 raise StoreError("incomplete", f"pack {mid.hex()} is missing") from None
             try:
-                manifest, plain = decode_pack(data, self.keys)
+                manifest, plain = decode_pack(data, self.keys, manifests=MANIFESTS)
             except FormatError as exc:
                 raise _corrupt(f"pack {mid.hex()}", exc) from None
             if manifest.manifest_id(plain) != mid:

@@ -138,30 +138,88 @@ class PagedKV:
         return rows.view(2, n * bs, H * D)[:, lo : lo + (stop - start)].contiguous()
 
     # -- writing ------------------------------------------------------------------------------
+    def staging(self, block_ids: Sequence[int], start: int, stop: int) -> "BlockStaging":
+        """An empty :class:`BlockStaging` for rows ``[start, stop)`` of every layer."""
+        return BlockStaging(self, block_ids, start, stop)
+
     def scatter(self, layer: int, block_ids: Sequence[int], start: int, kv_rows) -> None:
         """Write ``kv_rows`` (``[2, n, heads*head_dim]``: K then V, token-major) to rows
         ``[start, start+n)`` of layer ``layer``. ``start`` must be block-aligned; a last
-        partial block is written only up to the range's end."""
+        partial block is written only up to the range's end. (The same code as a staged
+        load: one :class:`BlockStaging` of this layer, committed at once.)"""
         g = self.geometry
         n = int(kv_rows.shape[1])
         if tuple(kv_rows.shape) != (2, n, g.row_elements) or kv_rows.dtype != self.torch_dtype:
             raise EngineError("layout", f"rows of shape {tuple(kv_rows.shape)} / {kv_rows.dtype} do not fit layer {layer}")
+        staged = BlockStaging(self, block_ids, start, start + n, layers=(layer,))
+        staged.write(layer, 0, start, kv_rows[0])
+        staged.write(layer, 1, start, kv_rows[1])
+        staged.commit(layer)
+
+
+class BlockStaging:
+    """Rows ``[start, stop)`` of some layers, held in vLLM's own block interior (K
+    transposed, V token-major) outside the cache until :meth:`commit` copies whole blocks in.
+
+    A verified load writes each chunk's rows here as it is verified (the transposing copy
+    happens then, beside the hashing threads), and the commit -- after the whole load
+    verified -- is one block copy per layer plus the slots ``[0, stop mod block_size)`` of a
+    last partial block: the cache is touched only by the commit, only in the blocks of the
+    caller's table, never beyond ``stop``. ``start`` must be block-aligned."""
+
+    def __init__(self, paged: PagedKV, block_ids: Sequence[int], start: int, stop: int, layers: Sequence[int] | None = None) -> None:
+        g = paged.geometry
         if start % g.block_size:
             raise EngineError("layout", f"a scatter must start on a block boundary (row {start})")
-        ids, _b0 = self._block_index(block_ids, start, start + n)
+        self.paged, self.start, self.stop = paged, start, stop
+        self.ids, _b0 = paged._block_index(block_ids, start, stop)  # checks the range and the table
+        torch = paged._torch
+        nblk, H, D, bs = len(self.ids), g.kv_heads, g.head_dim, g.block_size
+        self.layers = tuple(range(g.num_layers)) if layers is None else tuple(layers)
+        self._blocks = {layer: torch.empty((nblk, H, 2, bs * D), dtype=paged.torch_dtype) for layer in self.layers}
+        # per layer: the K halves as [nblk, H, D, bs] and the V halves as [nblk, H, bs, D] (views)
+        self._views = {layer: (t.view(nblk, H, 2, D, bs)[:, :, 0], t.view(nblk, H, 2, bs, D)[:, :, 1]) for layer, t in self._blocks.items()}
+
+    def write(self, layer: int, role: int, row: int, rows: Any) -> None:
+        """Stage ``rows`` (``[n, heads*head_dim]``, token-major, the cache's dtype) of plane
+        ``role`` (0: K, 1: V) at rows ``[row, row+n)``, which must lie inside ``[start, stop)``."""
+        g = self.paged.geometry
         H, D, bs = g.kv_heads, g.head_dim, g.block_size
-        plane = self.planes[layer]
+        n = int(rows.shape[0])
+        if tuple(rows.shape) != (n, g.row_elements) or rows.dtype != self.paged.torch_dtype or role not in (0, 1) or n == 0:
+            raise EngineError("layout", f"rows of shape {tuple(rows.shape)} / {rows.dtype} do not fit layer {layer}")
+        if layer not in self._views or not self.start <= row < row + n <= self.stop:
+            raise EngineError("layout", f"rows [{row}, {row + n}) of layer {layer} fall outside the staged [{self.start}, {self.stop})")
+        blocks = self._views[layer][role]
+        src = rows.view(n, H, D)
+        r0 = row - self.start
+        for j in range(r0 // bs, (r0 + n - 1) // bs + 1):
+            t0, t1 = max(r0, j * bs), min(r0 + n, (j + 1) * bs)
+            part = src[t0 - r0 : t1 - r0]  # [m, H, D]
+            s0, s1 = t0 - j * bs, t1 - j * bs
+            if role == 0:
+                blocks[j, :, :, s0:s1] = part.permute(1, 2, 0)  # K transposed: [H, D, m]
+            else:
+                blocks[j, :, s0:s1] = part.permute(1, 0, 2)  # V: [H, m, D]
+
+    def commit(self, layer: int) -> None:
+        """Copy layer ``layer``'s staged rows into the cache (whole blocks, then the slots
+        ``[0, tail)`` of a last partial block)."""
+        g = self.paged.geometry
+        H, D, bs = g.kv_heads, g.head_dim, g.block_size
+        staged = self._blocks.pop(layer)
+        self._views.pop(layer, None)
+        plane = self.paged.planes[layer]
+        n = self.stop - self.start
         full = n // bs
-        src = kv_rows.view(2, n, H, D)
         if full:
-            whole = src[:, : full * bs].reshape(2, full, bs, H, D)
-            blocks = self._torch.empty((full, H, 2, bs * D), dtype=kv_rows.dtype)
-            blocks[:, :, 0].view(full, H, D, bs).copy_(whole[0].permute(0, 2, 3, 1))  # K transposed
-            blocks[:, :, 1].view(full, H, bs, D).copy_(whole[1].permute(0, 2, 1, 3))
-            plane[ids[:full]] = blocks
+            plane.index_copy_(0, self.ids[:full], staged[:full])
         tail = n - full * bs
         if tail:
-            part = src[:, full * bs :]  # [2, tail, H, D]; only the slots [0, tail) are written
-            region = plane[int(ids[full])]  # [H, 2, bs*D], a view into the cache
-            region[:, 0].view(H, D, bs)[:, :, :tail] = part[0].permute(1, 2, 0)
-            region[:, 1].view(H, bs, D)[:, :tail] = part[1].permute(1, 0, 2)
+            region = plane[int(self.ids[full])]  # [H, 2, bs*D], a view into the cache
+            region[:, 0].view(H, D, bs)[:, :, :tail] = staged[full, :, 0].view(H, D, bs)[:, :, :tail]
+            region[:, 1].view(H, bs, D)[:, :tail] = staged[full, :, 1].view(H, bs, D)[:, :tail]
+
+    def discard(self) -> None:
+        self._blocks.clear()
+        self._views.clear()

@@ -38,7 +38,7 @@ from ...errors import EngineError, KvpackError, StoreError
 from ...format.constants import PREFIX_BLOCK_TOKENS
 from ...store.mapping import semantic_id
 from ...store.packstore import Hit, PackStore, RestoreReport, SaveReport
-from .paged import PagedKV
+from .paged import BlockStaging, PagedKV
 
 #: prefix cuts are 256-aligned: the keyed prefix chain's reusable nodes (production-v1)
 CUT_TOKENS = PREFIX_BLOCK_TOKENS
@@ -212,15 +212,33 @@ class _Identity:
         return self._ids
 
 
+_FROMBUFFER_WARNED = False
+
+
+def _read_only_tensor(mv: memoryview, dtype: Any) -> Any:
+    """A tensor view of verified bytes (only ever read). torch warns once per process that a
+    read-only buffer makes a writable tensor; that one warning is silenced here, without
+    paying for a ``catch_warnings`` block on every chunk."""
+    global _FROMBUFFER_WARNED
+    import torch
+
+    if _FROMBUFFER_WARNED or not mv.readonly:
+        return torch.frombuffer(mv, dtype=dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        out = torch.frombuffer(mv, dtype=dtype)
+    _FROMBUFFER_WARNED = True
+    return out
+
+
 class _PagedInstall:
-    """Verified rows ``[lo, hi)`` are staged here; ``commit`` scatters them into the blocks."""
+    """Verified rows ``[lo, hi)`` are staged here, already in vLLM's block interior
+    (:class:`~.paged.BlockStaging`: each chunk's transposing copy runs as it is verified,
+    beside the hashing threads); ``commit`` copies whole blocks into the cache."""
 
     def __init__(self, paged: PagedKV, layout: CacheLayout, spec: LoadSpec) -> None:
-        import torch
-
         self.paged, self.layout, self.spec = paged, layout, spec
-        rows = spec.hi - spec.lo
-        self.staged = [torch.empty((2, rows, s.row_elements), dtype=paged.torch_dtype) for s in layout.layers]
+        self.staging: BlockStaging | None = paged.staging(spec.block_ids, spec.lo, spec.hi)
         self.written = {(s.index, role): 0 for s in layout.layers for role in ("k", "v")}
         self.closed = False
 
@@ -229,9 +247,7 @@ class _PagedInstall:
         return self.spec.lo, self.spec.hi
 
     def write_rows(self, layer: int, role: str, start: int, data: Any) -> None:
-        import torch
-
-        if self.closed:
+        if self.closed or self.staging is None:
             raise EngineError("install", "install is closed")
         spec = self.layout.layer(layer)
         mv = memoryview(data).cast("B")
@@ -240,11 +256,8 @@ class _PagedInstall:
         n = mv.nbytes // spec.row_bytes
         if role not in ("k", "v") or start < self.spec.lo or start + n > self.spec.hi:
             raise EngineError("layout", f"rows [{start}, {start + n}) of {role!r} fall outside [{self.spec.lo}, {self.spec.hi})")
-        with warnings.catch_warnings():
-            # frombuffer warns on read-only buffers (verified bytes); the view is only read
-            warnings.simplefilter("ignore", UserWarning)
-            src = torch.frombuffer(mv, dtype=self.paged.torch_dtype).view(n, spec.row_elements)
-        self.staged[layer][0 if role == "k" else 1, start - self.spec.lo : start - self.spec.lo + n] = src
+        rows = _read_only_tensor(mv, self.paged.torch_dtype).view(n, spec.row_elements)
+        self.staging.write(layer, 0 if role == "k" else 1, start, rows)
         self.written[(layer, role)] += n
 
     def write_logits(self, data: Any) -> None:
@@ -257,17 +270,21 @@ class _PagedInstall:
     def commit(self, *, require_logits: bool = False) -> None:
         if require_logits:
             raise EngineError("install", "vLLM prefix loads carry no logits row")
+        if self.closed or self.staging is None:
+            raise EngineError("install", "install is closed")
         gaps = self.missing()
         if gaps:
             raise EngineError("install", f"{len(gaps)} planes incomplete (first: layer {gaps[0][0]} {gaps[0][1]})")
-        for layer, rows in enumerate(self.staged):
-            self.paged.scatter(layer, self.spec.block_ids, self.spec.lo, rows)
+        for layer in range(self.layout.num_layers):
+            self.staging.commit(layer)
         self.closed = True
-        self.staged = []
+        self.staging = None
 
     def abort(self) -> None:
         self.closed = True
-        self.staged = []
+        if self.staging is not None:
+            self.staging.discard()
+        self.staging = None
 
 
 class _PagedTarget:
