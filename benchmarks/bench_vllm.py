@@ -240,6 +240,7 @@ def main() -> None:
 
         model = load_smollm2().source["cache_dir"]
     work = args.workdir or tempfile.mkdtemp(prefix="kvpack-bench-vllm-")
+    os.makedirs(work, exist_ok=True)  # a --workdir that does not exist yet
     tok = AutoTokenizer.from_pretrained(model)
     lengths = [int(x) for x in args.lengths.split(",")]
     prompts = {n: prompts_for(tok, n, args.repeat) for n in lengths}
