@@ -11,7 +11,14 @@ block size 128, ``max_tokens=1``: the wall time of one request is its TTFT):
   prefix cache reset first, so the reuse is the connector's (kvpack: after its save
   committed: every 256-token cut and the tail cut, so vLLM computes only the last token);
 * ``<connector>_warm_fresh_process``: the same prompt in a new vLLM process on the same
-  store (page cache warm, as after a restart).
+  store (page cache warm, as after a restart). The connectors' second processes run side
+  by side and are measured prompt by prompt in turn, the order rotating (idle engines wait
+  on stdin): on a shared machine the load moves over minutes, and one connector after the
+  other gave the last one the quietest machine;
+* ``none_own_prefix_cache``: no connector, the same prompt again without resetting vLLM's
+  own prefix cache: vLLM's floor for a prompt whose whole blocks are cached (it computes the
+  tokens past the last full block; LMCache, which stores whole 256-token chunks, computes
+  at least these).
 
 Every engine runs alone, single-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, ``uni``
 executor) and bound to the same core with one OpenMP thread (explicitly: on 2 cores vLLM's
@@ -87,6 +94,7 @@ def run_connector(
     python: str | None = None,
     store_dir: str | None = None,
 ) -> None:
+    """The first process of a connector: each prompt cold, then again in the same process."""
     from kvpack.integrations.vllm.prefix import save_cuts
     from kvpack.testing.vllm_harness import Engine
 
@@ -111,71 +119,98 @@ def run_connector(
                 firsts[n].add((i, first))
     finally:
         eng.stop()
-    eng = Engine(cfg_for(), os.path.join(logs, f"{name}-2.log"), core=core, python=python).start()
+
+
+def run_fresh_interleaved(variants: list[tuple[str, dict, str | None]], prompts: dict, logs: str, core: int, results: dict, firsts: dict) -> None:
+    """Every connector's second process (same store), all started side by side and then
+    measured prompt by prompt in turn, the order rotating per prompt: the machine's load
+    (other jobs on a shared box) changes over minutes, and measuring one connector after the
+    other gave whichever ran last the quieter machine. Idle engines wait on stdin; only the
+    one being measured computes."""
+    from kvpack.testing.vllm_harness import Engine, stop_all
+
+    engines = {name: Engine(cfg, os.path.join(logs, f"{name}-2.log"), core=core, python=python).start() for name, cfg, python in variants}
     try:
-        eng.generate([prompts[min(prompts)][0][:300][::-1][1:]], max_tokens=1)  # warm-up, a prompt never stored
+        for eng in engines.values():
+            eng.generate([prompts[min(prompts)][0][:300][::-1][1:]], max_tokens=1)  # warm-up, a prompt never stored
+        names = list(engines)
+        turn = 0
         for n, ps in prompts.items():
             for i, p in enumerate(ps):
-                t, first = ttft(eng, p, name)
-                results[n][f"{name}_warm_fresh_process"].append(t)
-                firsts[n].add((i, first))
-        if name == "kvpack":
-            m = eng.metrics()
+                for name in names[turn % len(names) :] + names[: turn % len(names)]:
+                    t, first = ttft(engines[name], p, name)
+                    results[n][f"{name}_warm_fresh_process"].append(t)
+                    firsts[n].add((i, first))
+                turn += 1
+        if "kvpack" in engines:
+            m = engines["kvpack"].metrics()
             results["_kvpack_fresh_loads"] = m.get("kvpack_loads", 0)
             results["_kvpack_fresh_refusals"] = m.get("kvpack_refusals", 0)
     finally:
-        eng.stop()
+        stop_all(*engines.values())
 
 
-def run_lmcache(python: str, base: dict, prompts: dict, work: str, core: int, results: dict, firsts: dict) -> str:
+class LMCacheServer:
     """LMCache's multi-process mode: an ``lmcache server`` (its memory is the cache, so it
-    outlives the vLLM processes) and vLLM's LMCacheMPConnector. Returns the line's note."""
-    import shutil
-    import socket
-    import subprocess
+    outlives the vLLM processes; bound to the other core) for vLLM's LMCacheMPConnector."""
 
-    with socket.socket() as sk:
-        sk.bind(("127.0.0.1", 0))
-        port = sk.getsockname()[1]
-    server_bin = os.path.join(os.path.dirname(python), "lmcache")
-    other = 1 - core if (os.cpu_count() or 1) > 1 else core
-    cmd = [server_bin, "server", "--host", "127.0.0.1", "--port", str(port), "--chunk-size", "256", "--l1-size-gb", "2"]
-    cmd += ["--eviction-policy", "LRU", "--supported-transfer-mode", "lmcache_driven", "--disable-observability"]
-    if shutil.which("taskset"):
-        cmd = ["taskset", "-c", str(other), *cmd]
-    log = open(os.path.join(work, "lmcache-server.log"), "ab")
-    server = subprocess.Popen(cmd, stdout=log, stderr=log, env=dict(os.environ, LMCACHE_DISABLE_BANNER="1"))
-    try:
+    def __init__(self, python: str, work: str, core: int) -> None:
+        import socket
+
+        with socket.socket() as sk:
+            sk.bind(("127.0.0.1", 0))
+            self.port = sk.getsockname()[1]
+        self.python, self.work = python, work
+        self.other = 1 - core if (os.cpu_count() or 1) > 1 else core
+        self.proc = None
+        self.log = None
+
+    def start(self) -> str | None:
+        """None once it listens, else why not."""
+        import shutil
+        import socket
+        import subprocess
+
+        server_bin = os.path.join(os.path.dirname(self.python), "lmcache")
+        cmd = [server_bin, "server", "--host", "127.0.0.1", "--port", str(self.port), "--chunk-size", "256", "--l1-size-gb", "2"]
+        cmd += ["--eviction-policy", "LRU", "--supported-transfer-mode", "lmcache_driven", "--disable-observability"]
+        if shutil.which("taskset"):
+            cmd = ["taskset", "-c", str(self.other), *cmd]
+        self.log = open(os.path.join(self.work, "lmcache-server.log"), "ab")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=self.log, env=dict(os.environ, LMCACHE_DISABLE_BANNER="1"))
         deadline = time.monotonic() + 300
         while True:
-            if server.poll() is not None:
-                return f"not measured: the lmcache server exited (rc {server.returncode}; log {work}/lmcache-server.log)"
+            if self.proc.poll() is not None:
+                return f"not measured: the lmcache server exited (rc {self.proc.returncode}; log {self.work}/lmcache-server.log)"
             try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                return None
             except OSError:
                 if time.monotonic() > deadline:
                     return "not measured: the lmcache server did not listen within 300 s"
                 time.sleep(1)
-        extra = {"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": port, "lmcache.mp.mp_transfer_mode": "lmcache_driven"}
-        for n in prompts:
-            for key in ("lmcache_cold", "lmcache_warm_in_process", "lmcache_warm_fresh_process"):
-                results[n][key] = []
-        try:
-            run_connector("lmcache", lambda: {**base, "connector": "lmcache_mp", "extra": extra}, prompts, work, core, results, firsts, python=python)
-        except Exception as exc:  # noqa: BLE001 - the line says why instead of failing the run
-            return f"not measured: {type(exc).__name__}: {str(exc)[:300]}"
+
+    def config(self, base: dict) -> dict:
+        extra = {"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": self.port, "lmcache.mp.mp_transfer_mode": "lmcache_driven"}
+        return {**base, "connector": "lmcache_mp", "extra": extra}
+
+    def note(self) -> str:
         return (
-            f"LMCache 0.5.6 multi-process (lmcache server on core {other}, LRU, LMCacheMPConnector, lmcache_driven, 256-token chunks, "
+            f"LMCache 0.5.6 multi-process (lmcache server on core {self.other}, LRU, LMCacheMPConnector, lmcache_driven, 256-token chunks, "
             "cache in server memory; vLLM started with llvmlite's ctypes wrapper hiding dunder attributes, see vllm_harness._lmcache_environment_fix)"
         )
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-        log.close()
+
+    def stop(self) -> None:
+        import subprocess
+
+        if self.proc is not None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        if self.log is not None:
+            self.log.close()
 
 
 def summary_line(n: int, results: dict, firsts: dict, *, repeat: int, core: int, model: str, lmcache_note: str, load_start: float) -> dict:
@@ -201,6 +236,7 @@ def summary_line(n: int, results: dict, firsts: dict, *, repeat: int, core: int,
             "kvpack_fresh_over_lmcache_fresh": ratio("kvpack_warm_fresh_process", "lmcache_warm_fresh_process"),
         },
         "goal": {"cold_overhead_at_most": 1.10, "fresh_vs_example_at_most": 1.0, "fresh_vs_lmcache_below": 1.0},
+        "fresh_process_order": "connectors' second processes side by side, measured prompt by prompt in rotating order",
         "first_tokens_equal": len(firsts[n]) == len({i for i, _ in firsts[n]}),  # one first token per prompt
         "kvpack_fresh_process_loads": results.get("_kvpack_fresh_loads"),
         "kvpack_refusals": results.get("_kvpack_fresh_refusals"),
@@ -249,6 +285,7 @@ def main() -> None:
     for n in lengths:
         for key in (
             "none_cold",
+            "none_own_prefix_cache",
             "kvpack_cold",
             "kvpack_warm_in_process",
             "kvpack_warm_fresh_process",
@@ -267,21 +304,44 @@ def main() -> None:
                 t, first = ttft(eng, p, "none")
                 results[n]["none_cold"].append(t)
                 firsts[n].add((i, first))
+                (res,) = eng.generate([p], max_tokens=1, reset_prefix_cache=False)  # vLLM's own cache holds p's blocks
+                results[n]["none_own_prefix_cache"].append(res["wall_s"])
+                firsts[n].add((i, res["tokens"][0]))
     finally:
         eng.stop()
 
     store = os.path.join(work, "kvpack-store")
-    run_connector(
-        "kvpack", lambda: {**base, "connector": "kvpack", "extra": {"kvpack.store": store}}, prompts, work, args.core, results, firsts, store_dir=store
-    )
+    kvpack_cfg = {**base, "connector": "kvpack", "extra": {"kvpack.store": store}}
+    fresh: list[tuple[str, dict, str | None]] = [("kvpack", kvpack_cfg, None)]
+    run_connector("kvpack", lambda: kvpack_cfg, prompts, work, args.core, results, firsts, store_dir=store)
     if not args.skip_example:
         shared = os.path.join(work, "example-store")
         os.makedirs(shared, exist_ok=True)
-        run_connector("example", lambda: {**base, "connector": "example", "extra": {"shared_storage_path": shared}}, prompts, work, args.core, results, firsts)
+        example_cfg = {**base, "connector": "example", "extra": {"shared_storage_path": shared}}
+        run_connector("example", lambda: example_cfg, prompts, work, args.core, results, firsts)
+        fresh.append(("example", example_cfg, None))
 
     lmcache_note = "not measured: run with --lmcache-python (a separate environment with vLLM and lmcache==0.5.6)"
-    if args.lmcache_python:
-        lmcache_note = run_lmcache(args.lmcache_python, base, prompts, work, args.core, results, firsts)
+    server = LMCacheServer(args.lmcache_python, work, args.core) if args.lmcache_python else None
+    try:
+        if server is not None:
+            failed = server.start()
+            if failed is None:
+                for n in prompts:
+                    for key in ("lmcache_cold", "lmcache_warm_in_process", "lmcache_warm_fresh_process"):
+                        results[n][key] = []
+                try:
+                    run_connector("lmcache", lambda: server.config(base), prompts, work, args.core, results, firsts, python=args.lmcache_python)
+                    fresh.append(("lmcache", server.config(base), args.lmcache_python))
+                    lmcache_note = server.note()
+                except Exception as exc:  # noqa: BLE001 - the line says why instead of failing the run
+                    lmcache_note = f"not measured: {type(exc).__name__}: {str(exc)[:300]}"
+            else:
+                lmcache_note = failed
+        run_fresh_interleaved(fresh, prompts, work, args.core, results, firsts)
+    finally:
+        if server is not None:
+            server.stop()
 
     for n in lengths:
         line = summary_line(n, results, firsts, repeat=args.repeat, core=args.core, model=model, lmcache_note=lmcache_note, load_start=load_start)
