@@ -1,5 +1,5 @@
-"""Test helpers for the node daemons: enrolled clusters, free ports, loopback TCP proxies,
-daemon subprocesses. Everything listens on 127.0.0.1 only."""
+"""Test helpers for the node daemons: enrolled clusters (listening on port 0), loopback TCP
+proxies, daemon subprocesses. Everything listens on 127.0.0.1 only."""
 
 from __future__ import annotations
 
@@ -18,25 +18,53 @@ from kvpack.security.config import load_producer_config, load_receiver_config
 from kvpack.security.enroll import Cluster
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def edit_config(path: str, edit) -> None:
+    """Rewrite one node config file in place (``edit`` mutates the parsed JSON object)."""
+    with open(path, "rb") as fh:
+        obj = json.loads(fh.read())
+    edit(obj)
+    tmp = f"{path}.edit"
+    with open(tmp, "w") as fh:
+        json.dump(obj, fh, indent=2, sort_keys=True)
+    os.chmod(tmp, 0o600)
+    os.replace(tmp, path)
 
 
 class Enrolled:
-    """A cluster directory with receivers and producers enrolled for one engine identity."""
+    """A cluster directory with receivers and producers enrolled for one engine identity.
+
+    Every node config listens on ``127.0.0.1:0``: the daemons bind a free port themselves and
+    report it (``data_port`` / ``control_port``), so no port is reserved here and released
+    before a daemon binds it (another process could take it in between). Enrollment needs a
+    real port, so the registry holds placeholders that nothing binds; a receiver's
+    ``producer_control`` points at a placeholder (port 1..: refused at once) until
+    :meth:`producer_listening` writes the port its producer reported."""
 
     def __init__(self, root: str, engine, receivers=("decode-a",), producers=("prefill-a",)) -> None:
         self.root = root
+        self.receivers = tuple(receivers)
+        self.producers = tuple(producers)
         self.cluster = Cluster.init(root, identity=identity_file_json(engine))
-        self.ports = {}
-        for name in receivers:
-            self.ports[name] = free_port()
-            self.cluster.enroll_node(name, "receiver", listen=f"127.0.0.1:{self.ports[name]}")
-        for name in producers:
-            self.ports[name] = free_port()
-            self.cluster.enroll_node(name, "producer", control_listen=f"127.0.0.1:{self.ports[name]}")
+        placeholder = iter(range(1, 1 + len(self.receivers) + len(self.producers)))
+        for name in self.receivers:
+            self.cluster.enroll_node(name, "receiver", listen=f"127.0.0.1:{next(placeholder)}")
+        for name in self.producers:
+            self.cluster.enroll_node(name, "producer", control_listen=f"127.0.0.1:{next(placeholder)}")
+        self.listen_on_port_zero()
+
+    def listen_on_port_zero(self) -> None:
+        """(Re)point every config's own listener at port 0 (again after a re-enrollment)."""
+        for name in self.producers:
+            edit_config(self.producer_config_path(name), lambda obj: obj.__setitem__("control_listen", "127.0.0.1:0"))
+            for receiver in self.receivers:
+                edit_config(self.receiver_config_path(receiver, name), lambda obj: obj.__setitem__("listen", "127.0.0.1:0"))
+
+    def producer_listening(self, producer: str, port: int) -> int:
+        """Point every receiver config of ``producer`` at the control port it reported (or at a
+        proxy in front of it); returns ``port``."""
+        for receiver in self.receivers:
+            edit_config(self.receiver_config_path(receiver, producer), lambda obj: obj["producer_control"].__setitem__("address", f"127.0.0.1:{port}"))
+        return port
 
     def receiver_config_path(self, receiver="decode-a", producer="prefill-a") -> str:
         return self.cluster.receiver_config_path(receiver, producer)
@@ -170,6 +198,14 @@ class Daemon:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(timeout=30)
+
+
+def producer_daemon(enrolled: Enrolled, args: list[str], name: str = "prefill-a", **kw) -> Daemon:
+    """Start a ``kvpack producer`` daemon, wait for its ready line and point ``name``'s
+    receiver configs at the control port it bound (start receivers after this)."""
+    daemon = Daemon(["producer", "--config", enrolled.producer_config_path(name), *args], **kw)
+    enrolled.producer_listening(name, daemon.wait_ready()["control_port"])
+    return daemon
 
 
 def receipts(directory: str) -> list[dict]:

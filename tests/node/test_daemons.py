@@ -22,7 +22,7 @@ from kvpack.errors import KvpackError
 from kvpack.node.common import greedy, load_engine, logits_bytes
 from kvpack.node.receiver import ReceiverNode, request_local
 
-from .helpers import Daemon, Enrolled, http_get, receipts
+from .helpers import Daemon, Enrolled, edit_config, http_get, producer_daemon, receipts
 
 
 def _socket_path(tmp_path, name):
@@ -37,11 +37,10 @@ def _socket_path(tmp_path, name):
 def test_producer_killed_mid_stream_is_refused(tmp_path):
     engine = load_engine("arrays:8:4:64")
     enrolled = Enrolled(str(tmp_path / "cluster"), engine)
-    producer = Daemon(["producer", "--config", enrolled.producer_config_path(), "--engine", "arrays:8:4:64", "--no-store", "--pacing-bytes-per-s", "8000000"])
+    producer = producer_daemon(enrolled, ["--engine", "arrays:8:4:64", "--no-store", "--pacing-bytes-per-s", "8000000"])
     rdir = str(tmp_path / "rreceipts")
     node = ReceiverNode(enrolled.receiver_config(), engine, receipts_dir=rdir, check_volume=False).start()
     try:
-        producer.wait_ready()
         node.generate(list(range(1, 300)), 4)  # paced, but small: a live session to protect
         before = (list(node.session.tokens), node.session.cache_digest())
         errors = []
@@ -83,8 +82,8 @@ def test_smollm2_daemons_bit_exact_and_delta_equals_full(tmp_path):
     engine = load_engine("smollm2")
     enrolled = Enrolled(str(tmp_path / "cluster"), engine, receivers=("decode-a", "decode-b"))
     sock_a, sock_b = _socket_path(tmp_path, "a.sock"), _socket_path(tmp_path, "b.sock")
-    daemons = [
-        Daemon(["producer", "--config", enrolled.producer_config_path(), "--store", str(tmp_path / "pstore")]),
+    daemons = [producer_daemon(enrolled, ["--store", str(tmp_path / "pstore")])]
+    daemons += [
         Daemon(["receiver", "--config", enrolled.receiver_config_path("decode-a"), "--socket", sock_a, "--no-store", "--receipts", str(tmp_path / "ra")]),
         Daemon(["receiver", "--config", enrolled.receiver_config_path("decode-b"), "--socket", sock_b, "--no-store", "--receipts", str(tmp_path / "rb")]),
     ]
@@ -137,17 +136,20 @@ def test_daemons_on_port_zero_report_their_ports_and_serve(tmp_path):
     spec = "arrays:4:2:32"
     engine = load_engine(spec)
     enrolled = Enrolled(str(tmp_path / "cluster"), engine)
+    # the configs name an address no daemon here can bind: only the flags make them start
+    edit_config(enrolled.producer_config_path(), lambda obj: obj.__setitem__("control_listen", "192.0.2.1:9"))
+    edit_config(enrolled.receiver_config_path(), lambda obj: obj.__setitem__("listen", "192.0.2.1:9"))
     common = ["--engine", spec, "--no-store", "--no-metrics"]
     producer = Daemon(["producer", "--config", enrolled.producer_config_path(), *common, "--control-listen", "127.0.0.1:0"])
     receiver = None
     try:
         control_port = producer.wait_ready()["control_port"]
-        assert control_port not in (0, enrolled.ports["prefill-a"])
+        assert control_port != 0
         sock = _socket_path(tmp_path, "r.sock")
         cfg = enrolled.receiver_config_path()
         args = ["receiver", "--config", cfg, *common, "--socket", sock, "--listen", "127.0.0.1:0"]
         receiver = Daemon([*args, "--producer-control", f"127.0.0.1:{control_port}"])
-        assert receiver.wait_ready()["data_port"] not in (0, enrolled.ports["decode-a"])
+        assert receiver.wait_ready()["data_port"] != 0
         reply = request_local(sock, {"tokens": list(range(1, 300)), "max_new_tokens": 2}, timeout=120)
         assert reply["ok"] and reply["result"]["plan"]["action"] == "full_transfer"
         two = Daemon([*args, "--config", enrolled.receiver_config_path(producer="prefill-a"), "--producer-control", "127.0.0.1:1"])

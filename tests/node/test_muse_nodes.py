@@ -36,7 +36,7 @@ from kvpack.node.common import greedy, logits_bytes  # noqa: E402
 from kvpack.node.receiver import request_local  # noqa: E402
 
 from . import partc_producer as pc  # noqa: E402
-from .helpers import Daemon, Enrolled, Proxy, receipts  # noqa: E402
+from .helpers import Daemon, Enrolled, Proxy, producer_daemon, receipts  # noqa: E402
 from .test_unsolicited import producer_tls, unsolicited_config  # noqa: E402
 
 ENGINE = ["--engine", "muse-tiny", "--threads", "1"]
@@ -81,8 +81,10 @@ def cluster(muse, tmp_path_factory):
 def test_daemons_full_above_the_window_then_delta_bit_exact(muse, cluster):
     enrolled, root = cluster
     sock = short_socket("a.sock")
-    proxy = Proxy(enrolled.ports["decode-a"])  # the producer's data connection goes through it
-    producer = Daemon(["producer", "--config", enrolled.producer_config_path(), *ENGINE, "--no-store"])
+    # the producer's data connection goes through the proxy; its target is the data port the
+    # receiver reports once it is up
+    proxy = Proxy(0)
+    producer = producer_daemon(enrolled, [*ENGINE, "--no-store"])
     receiver = Daemon(
         [
             "receiver",
@@ -101,8 +103,7 @@ def test_daemons_full_above_the_window_then_delta_bit_exact(muse, cluster):
         p1 = tokens(2561, seed=1)  # position 2560: above the window, 256-aligned
         p2 = p1[:2560] + tokens(600, seed=2)  # a delta on p1's prefix; suffix < window
         ref1, ref2 = reference(muse, p1), reference(muse, p2)
-        producer.wait_ready()
-        receiver.wait_ready()
+        proxy.target_port = receiver.wait_ready()["data_port"]
 
         def ask(prompt):
             reply = request_local(sock, {"tokens": prompt, "max_new_tokens": 8}, timeout=600)
@@ -139,7 +140,7 @@ class _Unsolicited:
             cfg = json.load(fh)
         self.identity, self.target = cfg["identity"], cfg["target_cache_identity_sha256"]
         self.ledger = os.path.join(os.path.dirname(self.config), cfg["replay_ledger"])
-        self.port = int(cfg["listen"].rsplit(":", 1)[1])
+        self.port = 0  # the data port the receiver reports in its ready line
         self.tls = producer_tls(enrolled, receiver=receiver)
 
     def send(self, src, generation, **kw):
@@ -181,7 +182,7 @@ def test_partc_producer_lands_at_an_unsolicited_receiver_and_is_refused_when_wro
         for deferred, prompt in prompts.items():
             sources[deferred] = src = muse.new_session()
             src.prefill(prompt[:-1])
-        receiver.wait_ready()
+        u.port = receiver.wait_ready()["data_port"]
         landed = {}
         for generation, deferred in ((1, True), (2, False)):
             res = u.send(sources[deferred], generation, deferred=deferred)
@@ -268,7 +269,8 @@ def test_receive_once_prints_the_receipt_of_one_transfer(muse, cluster):
                 line = proc.stderr.readline()
                 if line.startswith('{"ready"'):
                     ready = json.loads(line)
-        assert ready["data_port"] == u.port
+        u.port = ready["data_port"]
+        assert u.port != 0
         src = muse.new_session()
         src.prefill(tokens(600, seed=5)[:-1])
         res = u.send(src, 1)

@@ -33,7 +33,7 @@ from kvpack.node.local_api import request_local
 from kvpack.node.receipts import ReceiptBudget
 from kvpack.security.tls import connect
 
-from .helpers import Daemon, Enrolled
+from .helpers import Daemon, Enrolled, producer_daemon
 
 ENGINE = "arrays:4:2:8"
 #: documented in docs/operations.md ("Limits and deadlines"): peak RSS growth under abuse
@@ -56,7 +56,7 @@ def _daemons(root: str, *, rcfg_path: str | None = None, receipts: str | None = 
     engine = load_engine(ENGINE)
     enrolled = Enrolled(os.path.join(root, "cluster"), engine, producers=("prefill-a", "prefill-b"))
     common = ["--engine", ENGINE, "--no-store", "--no-metrics"]
-    producer = Daemon(["producer", "--config", enrolled.producer_config_path(), *common])
+    producer = producer_daemon(enrolled, common)
     sock = _sock_path()
     rargs = ["receiver", "--config", rcfg_path or enrolled.receiver_config_path(), *common, "--socket", sock, "--decode-slots", "2"]
     if receipts:
@@ -208,6 +208,9 @@ def test_refused_connection_flood_into_a_16_mib_filesystem(tmp_path):
     try:
         engine = load_engine(ENGINE)
         enrolled = Enrolled(str(tmp_path / "cluster"), engine, producers=("prefill-a", "prefill-b"))
+        common = ["--engine", ENGINE, "--no-store", "--no-metrics"]
+        producer = producer_daemon(enrolled, common)  # before the copy below: it carries the control port
+        sock = _sock_path()
         with open(enrolled.receiver_config_path()) as fh:
             cfg = json.load(fh)
         cfg["replay_ledger"] = os.path.join(fs, "ledger", "replay-ledger.json")
@@ -215,12 +218,8 @@ def test_refused_connection_flood_into_a_16_mib_filesystem(tmp_path):
         with open(rcfg_path, "w") as fh:
             json.dump(cfg, fh)
         os.chmod(rcfg_path, 0o600)
-        common = ["--engine", ENGINE, "--no-store", "--no-metrics"]
-        producer = Daemon(["producer", "--config", enrolled.producer_config_path(), *common])
-        sock = _sock_path()
         receiver = Daemon(["receiver", "--config", rcfg_path, *common, "--socket", sock, "--receipts", os.path.join(fs, "receipts")])
         try:
-            producer.wait_ready()
             rr = receiver.wait_ready()
             served = 0
             t_start = time.monotonic()

@@ -66,6 +66,7 @@ class Tier:
                 max_stripes=8,
                 metrics_port=None,
             ).start()
+            self.enrolled.producer_listening(name, self.pnodes[name].control_port)
         self.rcfgs = [self.enrolled.receiver_config("decode-a", name) for name in producers]
         self.rdir = os.path.join(self.root, "r")
         self.socket = _sock_path("r.sock")

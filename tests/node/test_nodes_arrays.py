@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import threading
 import time
 
 import pytest
@@ -24,7 +23,7 @@ from kvpack.node.receiver import ReceiverNode
 from kvpack.security.tls import connect
 from kvpack.store import PackStore
 
-from .helpers import Enrolled, Proxy, free_port, http_get, receipts
+from .helpers import Enrolled, Proxy, http_get, receipts
 
 ENGINE = "arrays:4:2:8"
 
@@ -41,20 +40,21 @@ def reference(engine, tokens, n=8):
 
 
 class Nodes:
-    def __init__(self, tmp, *, producer_engine=None, advertised_port=None, control_port=None, wire_tap=None, strict_producer=False):
+    def __init__(self, tmp, *, producer_engine=None, advertised_port=None, control_proxy=False, wire_tap=None, strict_producer=False):
         self.tmp = str(tmp)
         self.strict_producer = strict_producer
         self.engine = load_engine(ENGINE)
         self.enrolled = Enrolled(os.path.join(self.tmp, "cluster"), self.engine, producers=("prefill-a", "prefill-b"))
-        self.rcfg = self.enrolled.receiver_config()
         self.pcfg = self.enrolled.producer_config()
-        if control_port is not None:  # a proxy sits on the configured control address
-            self.pcfg = dataclasses.replace(self.pcfg, control_listen_port=control_port)
         self.rdir = os.path.join(self.tmp, "rreceipts")
         self.pdir = os.path.join(self.tmp, "preceipts")
         self.producer_engine = producer_engine or load_engine(ENGINE)
         self.wire_tap = wire_tap
         self.producer = self._producer()
+        # the receiver's config names the port the producer bound, or a counting proxy in front of it
+        self.control_proxy = Proxy(self.producer.control_port) if control_proxy else None
+        self.enrolled.producer_listening("prefill-a", self.producer.control_port if self.control_proxy is None else self.control_proxy.port)
+        self.rcfg = self.enrolled.receiver_config()
         self.receiver = self._receiver(advertised_port)
 
     def _producer(self):
@@ -71,8 +71,13 @@ class Nodes:
         # the volume probe is not under test here (and flaky on a loaded shared disk)
         return ReceiverNode(self.rcfg, self.engine, receipts_dir=self.rdir, advertised_port=advertised_port, check_volume=False).start()
 
-    def restart_producer(self):
+    def restart_producer(self, before_start=None):
+        # the receiver's config names the port this producer bound: the new one binds it again
+        port = self.producer.control_port
         self.producer.stop()
+        if before_start is not None:
+            before_start()
+        self.pcfg = dataclasses.replace(self.pcfg, control_listen_port=port)
         self.producer = self._producer()
 
     def restart_receiver(self):
@@ -82,6 +87,8 @@ class Nodes:
     def stop(self):
         self.receiver.stop()
         self.producer.stop()
+        if self.control_proxy is not None:
+            self.control_proxy.close()
 
     def snapshot(self):
         s = self.receiver.session
@@ -155,15 +162,11 @@ def test_delta_request_refused_by_a_strict_producer_falls_back_to_full(nodes):
 
 
 def test_control_channel_carries_no_cache_bytes(nodes, tmp_path):
-    # The producer really listens on a private port; the configured control address is a
+    # The producer really listens on a port of its own; the configured control address is a
     # counting proxy in front of it.
-    real = free_port()
-    n = nodes(control_port=real)
-    proxy = _proxy_on(n.rcfg.producer_control.port, real)
-    try:
-        res = n.receiver.generate(PROMPT, 4)
-    finally:
-        proxy.close()
+    n = nodes(control_proxy=True)
+    proxy = n.control_proxy
+    res = n.receiver.generate(PROMPT, 4)
     t = res["transfer"]
     assert proxy.connections == 1
     frames = t["control_frames"]
@@ -177,21 +180,6 @@ def test_control_channel_carries_no_cache_bytes(nodes, tmp_path):
     assert t["payload_bytes"] > 20 * (proxy.up + proxy.down)
     pr = [r for r in receipts(n.pdir) if r.get("verdict") == "committed"][0]
     assert [f["type"] for f in pr["control_frames"]] == ["request", "accepted", "committed"]
-
-
-def _proxy_on(listen_port: int, target: int) -> Proxy:
-    import socket as _s
-
-    p = Proxy.__new__(Proxy)
-    p.target_port, p.flip_at = target, None
-    p.sock = _s.socket()
-    p.sock.setsockopt(_s.SOL_SOCKET, _s.SO_REUSEADDR, 1)
-    p.sock.bind(("127.0.0.1", listen_port))
-    p.sock.listen(8)
-    p.port, p.up, p.down, p.flipped, p.connections, p._stop = listen_port, 0, 0, False, 0, False
-    p._threads = [threading.Thread(target=p._accept, daemon=True)]
-    p._threads[0].start()
-    return p
 
 
 def test_segment_corrupted_on_the_wire_is_refused(nodes):
@@ -260,9 +248,7 @@ def test_stale_generation_is_refused(nodes):
     n.receiver.generate(PROMPT[:400] + [3, 4], 4)
     before = n.snapshot()
     # roll the producer's generation ledger back (an operator restoring an old copy)
-    n.producer.stop()
-    atomic_write(n.pcfg.generation_ledger, b'{"next_generation": 2}\n', mode=0o600)
-    n.producer = n._producer()
+    n.restart_producer(before_start=lambda: atomic_write(n.pcfg.generation_ledger, b'{"next_generation": 2}\n', mode=0o600))
     with pytest.raises(ProtocolError) as info:
         n.receiver.generate(list(range(5, 600)), 4)
     assert info.value.category == "replay"

@@ -39,6 +39,7 @@ def nodes(engine, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("windowed")
     enrolled = Enrolled(str(tmp / "cluster"), engine)
     producer = ProducerNode(enrolled.producer_config(), engine, receipts_dir=str(tmp / "p"), metrics_port=None).start()
+    enrolled.producer_listening("prefill-a", producer.control_port)
     receiver = ReceiverNode(enrolled.receiver_config(), engine, receipts_dir=str(tmp / "r"), metrics_port=None, check_volume=False).start()
     yield receiver
     receiver.stop()

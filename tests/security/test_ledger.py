@@ -443,9 +443,11 @@ def test_captured_transfer_is_never_committed_twice_across_ledger_rollbacks(tmp_
 
     engine = load_engine("arrays:4:2:8")
     enrolled = Enrolled(str(tmp_path / "cluster"), engine)
-    rcfg, pcfg = enrolled.receiver_config(), enrolled.producer_config()
+    pcfg = enrolled.producer_config()
     tap: list[bytearray] = [bytearray()]
     producer = ProducerNode(pcfg, load_engine("arrays:4:2:8"), receipts_dir=str(tmp_path / "p"), wire_tap=lambda b: tap[0].extend(b)).start()
+    enrolled.producer_listening("prefill-a", producer.control_port)
+    rcfg = enrolled.receiver_config()
     counter = itertools.count(1)
 
     def receiver(cfg=rcfg) -> ReceiverNode:
@@ -506,6 +508,8 @@ def test_captured_transfer_is_never_committed_twice_across_ledger_rollbacks(tmp_
     with pytest.raises(SecurityError):
         receiver()
     assert kvpack_main(["enroll", "node", enrolled.root, "decode-a", "--rotate"]) == 0
+    enrolled.listen_on_port_zero()  # the rotation rewrote the configs with the registry's placeholders
+    enrolled.producer_listening("prefill-a", producer.control_port)
     rotated = load_receiver_config(rcfg.path)
     assert rotated.minimum_hmac_epoch == 2
     node = receiver(rotated)
