@@ -135,6 +135,8 @@ def test_full_then_delta_handoff_bit_exact_with_receipts_and_metrics(nodes):
     committed = [r for r in receipts(n.rdir) if r["verdict"] == "committed"]
     assert len(committed) == 2 and committed[1]["prefix_cut"] == 512
     assert set(committed[0]["durations_s"]) >= {"wire", "verify", "prepare", "reserve", "commit"}
+    # the arrays install hands out its rows: every segment was read straight into them
+    assert all(r["segments_in_place"] == r["segments"] > 0 for r in committed)
     # phases are stamped in order: the seal's arrival precedes its checks, reserve and commit
     assert all(v >= 0 for r in committed for v in r["durations_s"].values()), [r["durations_s"] for r in committed]
     assert committed[0]["digests"]["begin_sha256"] and committed[0]["payload_bytes"] == t1["payload_bytes"]
@@ -313,5 +315,20 @@ def test_a_request_right_after_a_commit_waits_for_the_prefix_being_remembered(no
     n.receiver.generate(PROMPT, 2)
     r2 = n.receiver.generate(FOLLOW, 2)
     assert r2["transfer"]["producer_receipt"]["prefill_tokens"] == len(FOLLOW) - 1 - 512
+    # the arrays install hands out its rows: no payload buffer was ever needed
+    assert n.receiver.payload_buffers.idle_bytes == 0
+
+
+def test_staged_segments_scatter_bit_exact_and_reuse_their_buffers(nodes):
+    """The path of installs that cannot hand out rows (staging buffer, scatter on the
+    install pool), forced on the arrays engine."""
+    n = nodes()
+    n.receiver.receive_in_place = False
+    r1 = n.receiver.generate(PROMPT, 8)
+    assert (r1["tokens"], r1["logits_sha256"]) == reference(n.engine, PROMPT)
+    r2 = n.receiver.generate(FOLLOW, 8)
+    assert (r2["tokens"], r2["logits_sha256"]) == reference(n.engine, FOLLOW)
+    committed = [r for r in receipts(n.rdir) if r["verdict"] == "committed"]
+    assert [r["segments_in_place"] for r in committed] == [0, 0] and all(r["segments"] > 0 for r in committed)
     # committed transfers hand their payload buffers to the next ones (kept within a budget)
     assert 0 < n.receiver.payload_buffers.idle_bytes <= n.receiver.payload_buffers.max_bytes

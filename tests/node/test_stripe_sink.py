@@ -146,3 +146,146 @@ def test_a_refused_receiver_keeps_its_payload_buffers():
     rx = Receiver(ReceiverConfig(b"k" * 32, "kid", 1, layout=None), None, _Gate(), now_unix_ms=0, reuse_buffers=[bytearray(64)])
     rx.abort("test")
     assert rx.release_payload_buffers() == []
+
+
+def _in_place_setup(position: int):
+    from kvpack.node.wire import TileGeometry, tile_landed, tile_target
+
+    engine = ArrayEngine(array_layout(layers=2, kv_heads=1, head_dim=4, dtype="f32"))
+    geometry = TileGeometry.of(engine.layout)
+    session, reference = engine.new_session(), engine.new_session()
+    reference.prefill(list(range(1, position + 1)))
+
+    class M(_Manifest):
+        prompt_token_ids = tuple(range(1, position + 1))
+
+    M.position = position
+
+    def open_install(manifest, cut):
+        return session.begin_install(manifest.position, list(manifest.prompt_token_ids), engine.identity)
+
+    shared = SharedInstall(
+        1,
+        open_install,
+        lambda *_a: pytest.fail("an in-place install never scatters"),
+        time.monotonic() + 30,
+        lambda install, seg: tile_target(install, geometry, seg),
+        lambda install, seg: tile_landed(install, geometry, seg),
+    )
+    sink = StripeSink(shared, 0)
+    sink.begin(M, 0)
+    return geometry, session, reference, shared, sink
+
+
+def _fill(target, payload: bytes) -> None:
+    at = 0
+    for piece in target.pieces:  # what recv_into does, piece by piece
+        piece[:] = payload[at : at + piece.nbytes]
+        at += piece.nbytes
+
+
+def test_segments_read_into_the_install_rows_commit_without_a_scatter():
+    from kvpack.node.wire import pack_tile
+
+    geometry, session, reference, shared, sink = _in_place_setup(600)
+    segments = geometry.schedule(600)
+    assert len(segments) == 3
+    for seg in segments:
+        target = sink.payload_target(seg)
+        assert target is not None and len(target.pieces) == 4 and target.nbytes == seg.byte_len
+        _fill(target, bytes(pack_tile(reference, geometry, seg)))
+        sink.write_segment(seg, target)
+    sink.prepare()
+    sink.commit()
+    assert shared.committed and session.position == 600
+    for layer in (0, 1):
+        for role in ("k", "v"):
+            assert bytes(session.export_rows(layer, role, 0, 600)) == bytes(reference.export_rows(layer, role, 0, 600))
+
+
+def test_rows_written_in_place_count_only_once_landed_and_an_abort_releases_them():
+    from kvpack.handoff.target import PayloadTarget
+    from kvpack.node.wire import pack_tile
+
+    geometry, session, reference, shared, sink = _in_place_setup(600)
+    first, second, _third = geometry.schedule(600)
+    target = sink.payload_target(first)
+    _fill(target, bytes(pack_tile(reference, geometry, first)))
+    sink.write_segment(first, target)
+    install = shared.install
+    # claimed rows: refused to every other claim and write, and not counted before landing
+    bad = sink.payload_target(second)
+    _fill(bad, b"\xff" * second.byte_len)  # bytes that would fail their digest
+    with pytest.raises(EngineError):
+        install.claim_rows(0, "k", second.logical_start, 1)
+    with pytest.raises(EngineError):
+        install.write_rows(0, "k", second.logical_start, b"\0" * geometry.row_bytes)
+    assert any(left for _l, _r, left in install.missing())
+    with pytest.raises(ProtocolError):  # a target this install did not hand out
+        sink.write_segment(second, PayloadTarget(list(bad.pieces), token=first))
+    # the refusal: the receiver aborts the sink; nothing was installed, the planes are gone
+    sink.abort()
+    assert shared.failed is not None and install.state == "aborted" and install._planes == {}
+    assert session.position == 0
+    with pytest.raises(ProtocolError):
+        sink.payload_target(second)
+
+
+@pytest.mark.parametrize("tamper", [False, True])
+def test_the_receiver_reads_segments_into_the_install_and_a_tampered_one_installs_nothing(tamper):
+    """The whole in-place chain in process: the handoff receiver, the stripe sink, the arrays
+    install's claimed rows. A payload byte flipped in plaintext (its digest fails) was read
+    into the install's rows, is never counted, and the refusal aborts the install."""
+    from kvpack.handoff.receiver import Receiver, ReceiverConfig
+    from kvpack.handoff.sender import Sender
+    from kvpack.node.wire import TileGeometry, pack_tile, tile_landed, tile_target
+    from tests.handoff._support import KEY, KEY_ID, NOW, MemoryLedger, manifest
+
+    engine = ArrayEngine(array_layout(layers=2, kv_heads=1, head_dim=4, dtype="f32"))
+    geometry = TileGeometry.of(engine.layout)
+    prompt = tuple(range(100, 700))
+    session, reference = engine.new_session(), engine.new_session()
+    reference.prefill(list(prompt))
+    m = manifest(prompt, deferred=True)
+    sender = Sender(m, KEY)
+    stream = bytearray(b"".join(bytes(b) for b in sender.begin()))
+    payloads = []
+    for seg in geometry.schedule(len(prompt)):
+        payloads.append(bytes(pack_tile(reference, geometry, seg)))
+        stream += b"".join(bytes(b) for b in sender.send_segment(payloads[-1], seg))
+    stream += b"".join(bytes(b) for b in sender.seal())
+    if tamper:
+        stream[stream.index(payloads[1]) + 1000] ^= 0x01
+
+    def open_install(manifest, cut):
+        return session.begin_install(manifest.position, list(manifest.prompt_token_ids), engine.identity)
+
+    shared = SharedInstall(
+        1,
+        open_install,
+        lambda *_a: pytest.fail("an in-place install never scatters"),
+        time.monotonic() + 30,
+        lambda install, seg: tile_target(install, geometry, seg),
+        lambda install, seg: tile_landed(install, geometry, seg),
+    )
+    sink = StripeSink(shared, 0)
+    ledger = MemoryLedger()
+    with ThreadPoolExecutor(2) as pool:
+        rx = Receiver(ReceiverConfig(key=KEY, key_id=KEY_ID, minimum_epoch=1, layout=geometry.span), sink, ledger, now_unix_ms=NOW, hash_executor=pool)
+        try:
+            for i in range(0, len(stream), 4096):
+                rx.receive_data(stream[i : i + 4096])
+            rx.eof()
+        except ProtocolError as exc:
+            assert tamper and exc.category == "digest"
+    if not tamper:
+        assert shared.committed and sink.in_place == 3 and session.position == len(prompt)
+        for layer in (0, 1):
+            for role in ("k", "v"):
+                assert bytes(session.export_rows(layer, role, 0, 600)) == bytes(reference.export_rows(layer, role, 0, 600))
+        return
+    install = shared.install
+    assert sink.in_place == 1  # the first segment landed; the tampered second never counted
+    assert install.state == "aborted" and install._planes == {}  # released with the refusal
+    assert session.position == 0 and not shared.committed
+    assert ("reserve", 1) not in ledger.calls

@@ -262,6 +262,7 @@ class ArrayInstall(InstallContext):
         self._logits: np.ndarray | None = None
         self._planes = {}
         self._written = {}
+        self._claimed = {}  # rows handed out by claim_rows, not yet landed
         for spec in self.layout.layers:
             lo, hi = spec.retained_range(cut)
             # spare rows after the needed ones: the boundary token, a last prefill chunk and
@@ -271,6 +272,7 @@ class ArrayInstall(InstallContext):
             for role in self.layout.roles:
                 self._planes[(spec.index, role)] = np.zeros((hi - lo + spare, spec.row_bytes), np.uint8)
                 self._written[(spec.index, role)] = np.zeros(hi - lo, dtype=bool)
+                self._claimed[(spec.index, role)] = np.zeros(hi - lo, dtype=bool)
 
     def required_range(self, layer: int) -> tuple[int, int]:
         return self.layout.retained_range(layer, self.cut)
@@ -287,10 +289,40 @@ class ArrayInstall(InstallContext):
         if start < lo or start + n > hi:
             raise EngineError("layout", f"rows [{start}, {start + n}) outside the needed [{lo}, {hi})")
         written = self._written[(layer, role)]
-        if written[start - lo : start - lo + n].any():
+        if written[start - lo : start - lo + n].any() or self._claimed[(layer, role)][start - lo : start - lo + n].any():
             raise EngineError("install", "rows written twice")
         self._planes[(layer, role)][start - lo : start - lo + n] = view.reshape(n, spec.row_bytes)
         written[start - lo : start - lo + n] = True
+
+    def claim_rows(self, layer: int, role: str, start: int, n: int) -> memoryview:
+        """A writable view of rows ``[start, start + n)`` of one plane, for a verifier to
+        read a payload straight into (no staging copy). The rows count as written only
+        once :meth:`rows_landed` says their bytes verified; claimed rows are refused to
+        every other claim and write, so two segments never share a row."""
+        if self.state != "open":
+            raise EngineError("install", f"install already {self.state}")
+        spec = self.layout.layer(layer)
+        lo, hi = spec.retained_range(self.cut)
+        if n <= 0 or start < lo or start + n > hi:
+            raise EngineError("layout", f"rows [{start}, {start + n}) outside the needed [{lo}, {hi})")
+        a, b = start - lo, start - lo + n
+        claimed, written = self._claimed[(layer, role)], self._written[(layer, role)]
+        if claimed[a:b].any() or written[a:b].any():
+            raise EngineError("install", "rows written twice")
+        claimed[a:b] = True
+        return self._planes[(layer, role)][a:b].data.cast("B")
+
+    def rows_landed(self, layer: int, role: str, start: int, n: int) -> None:
+        """The bytes of claimed rows verified: they now count as written."""
+        if self.state != "open":
+            raise EngineError("install", f"install already {self.state}")
+        lo, _hi = self.layout.retained_range(layer, self.cut)
+        a, b = start - lo, start - lo + n
+        claimed = self._claimed[(layer, role)]
+        if a < 0 or b > claimed.size or not claimed[a:b].all():
+            raise EngineError("install", f"rows [{start}, {start + n}) of layer {layer} {role} were not claimed")
+        self._written[(layer, role)][a:b] = True
+        claimed[a:b] = False
 
     def write_logits(self, data) -> None:
         view = np.frombuffer(data, dtype="<f4")
@@ -313,6 +345,8 @@ class ArrayInstall(InstallContext):
 
     def abort(self) -> None:
         if self.state == "open":
+            # the planes are released (claimed rows may hold bytes that failed their checks:
+            # nothing published them, and nothing reads them after this)
             self.state = "aborted"
             self._planes = {}
 

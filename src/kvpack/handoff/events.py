@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 from .manifest import BeginManifestV2, SealManifestV2, SegmentDescriptorV2
+from .target import PayloadTarget
 
 
 @dataclass(frozen=True)
@@ -24,11 +25,19 @@ class Begin:
 
 @dataclass(frozen=True)
 class Segment:
-    """Producer -> receiver: one payload. ``descriptor`` is set exactly in deferred mode."""
+    """Producer -> receiver: one payload. ``descriptor`` is set exactly in deferred mode.
+
+    ``target``: a decoder that read the payload straight into a consumer's destination
+    pieces (:mod:`.target`) sets it, and ``payload`` is then empty."""
 
     sequence: int
     payload: memoryview
     descriptor: Optional[SegmentDescriptorV2] = None
+    target: Optional[PayloadTarget] = None
+
+    @property
+    def payload_bytes(self) -> int:
+        return self.target.nbytes if self.target is not None else self.payload.nbytes
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ from . import canonical_json as cj
 from .delta import lift_prefix_cut
 from .events import Abort, Ack, Begin, Frame, Seal, Segment
 from .manifest import BeginManifestV2, SealManifestV2, SegmentDescriptorV2
+from .target import PayloadTarget
 
 MAGIC = b"KVPKV2\0\0"
 PREAMBLE = struct.Struct("<8sIQ")
@@ -162,8 +163,14 @@ class FrameDecoder:
         payload_gate: Optional[Callable[[Segment, int], None]] = None,
         payload_buffers: int = 1,
         reuse_buffers: Sequence[bytearray] = (),
+        payload_target: Optional[Callable[[Segment, int], Optional[PayloadTarget]]] = None,
     ) -> None:
         self.limits = limits
+        # Called after ``payload_gate`` accepted a segment header: a consumer that wants the
+        # payload read straight into its own destination (:mod:`.target`) returns the
+        # pieces, of exactly the declared length; None reads it into a payload buffer.
+        self.payload_target = payload_target
+        self._target: Optional[PayloadTarget] = None
         # Called with a parsed segment header and its declared payload length *before* the
         # payload buffer is sized from that length: the consumer's state machine refuses
         # (raises) a segment it would not accept now, or one whose length is not its
@@ -199,13 +206,16 @@ class FrameDecoder:
     def wanted(self) -> memoryview:
         """Writable view of the bytes the current frame still needs (never beyond it)."""
         self._check_alive()
+        if self._target is not None:
+            return self._target.remaining(self._filled)
         return self._view[self._filled :]
 
     def advance(self, n: int) -> Optional[Frame]:
         """Record that ``n`` bytes were written into :meth:`wanted`; returns a frame when
         one completes, else None."""
         self._check_alive()
-        if n < 0 or self._filled + n > len(self._view):
+        room = len(self._target.remaining(self._filled)) if self._target is not None else len(self._view) - self._filled
+        if n < 0 or n > room:
             raise ValueError("advance beyond the wanted buffer")
         self._filled += n
         try:
@@ -233,14 +243,15 @@ class FrameDecoder:
         return out
 
     @property
-    def payload_progress(self) -> Optional[tuple[memoryview, int]]:
-        """``(payload buffer, bytes filled)`` while a payload is being read, else None.
+    def payload_progress(self) -> Optional[tuple["memoryview | PayloadTarget", int]]:
+        """``(payload buffer or target, bytes filled)`` while a payload is being read, else
+        None.
 
         Lets a driver act on the payload bytes already in (the receiver hashes them while
-        the rest arrives); the view is the buffer :meth:`wanted` hands out slices of."""
+        the rest arrives); it is what :meth:`wanted` hands out slices of."""
         if self._phase != "payload":
             return None
-        return self._view, self._filled
+        return (self._view if self._target is None else self._target), self._filled
 
     @property
     def at_boundary(self) -> bool:
@@ -279,6 +290,7 @@ class FrameDecoder:
 
     def _set_buffer(self, buf: bytearray | memoryview, phase: str) -> None:
         self._view = memoryview(buf)
+        self._target = None
         self._filled = 0
         self._phase = phase
 
@@ -294,7 +306,7 @@ class FrameDecoder:
         return memoryview(buf)[:n]
 
     def _step(self) -> Optional[Frame]:
-        if self._filled < len(self._view):
+        if self._filled < (len(self._view) if self._target is None else self._target.nbytes):
             return None
         if self._phase == "preamble":
             magic, hlen, plen = PREAMBLE.unpack(self._preamble)
@@ -324,11 +336,20 @@ class FrameDecoder:
             if self.payload_gate is not None:
                 self.payload_gate(frame, self._payload_len)
             self._pending = frame
+            target = None if self.payload_target is None else self.payload_target(frame, self._payload_len)
+            if target is not None:
+                if target.nbytes != self._payload_len:
+                    raise ProtocolError("sink", f"payload target of {target.nbytes} bytes for a {self._payload_len}-byte payload", remote=False)
+                self._set_buffer(_EMPTY, "payload")
+                self._target = target
+                return None
             self._set_buffer(self._payload_buffer(self._payload_len), "payload")
             return None
         # payload complete: attach it by reference to the already-parsed header.
         pending = self._pending
         assert pending is not None  # the payload phase is entered only with a pending segment
+        if self._target is not None:
+            return self._finish(replace(pending, payload=memoryview(_EMPTY), target=self._target))
         return self._finish(replace(pending, payload=self._view))
 
     def _finish(self, frame: Frame) -> Frame:

@@ -30,7 +30,7 @@ import hmac as _hmac
 import re
 from dataclasses import dataclass, field
 from concurrent.futures import Executor
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Optional, Sequence
 
 from ..errors import ProtocolError
 from ..vocab import is_hex64, sha256_hex
@@ -550,6 +550,16 @@ class SealAccumulator:
         digest = sha256_hex(view)
         self.add_payload(view)
         return digest
+
+    def add_pieces_and_digest(self, pieces: Sequence[memoryview], nbytes: int) -> str:
+        """:meth:`add_payload_and_digest` for a payload held in pieces (in wire order)."""
+        segment = hashlib.sha256()
+        for piece in pieces:
+            segment.update(piece)
+            self.payload_hash.update(piece)
+        self.segment_count += 1
+        self.total_bytes += nbytes
+        return segment.hexdigest()
 
     def add_streamed_payload(self, running_hash: Any, nbytes: int) -> None:
         """Count one payload of ``nbytes`` whose bytes a streaming hasher already fed into

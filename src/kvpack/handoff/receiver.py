@@ -67,6 +67,7 @@ from .manifest import (
 from .schedule import MUSE, SpanLayout, schedule_span
 from .state import RECEIVER_TRANSITIONS, ReceiverState, transition
 from .streamhash import PayloadStream
+from .target import PayloadTarget
 
 #: Payloads at least this large are hashed while they arrive (see the module docstring);
 #: smaller ones are hashed in one go once complete, as before.
@@ -79,6 +80,14 @@ STREAM_HASH_CHUNK = 256 << 10
 class Sink(Protocol):
     """Where verified segments go: a detached generation published only by ``commit``.
 
+    A sink may also define ``payload_target(descriptor) -> PayloadTarget | None``: called
+    once the segment header passed every check that precedes its payload (state, sequence,
+    descriptor, schedule slot, length), it hands out the segment's destination pieces in
+    the detached generation, and the payload is read straight into them (no staging copy).
+    ``write_segment`` then receives that :class:`~.target.PayloadTarget` instead of a view,
+    after the same digest check; until then the bytes in it count for nothing (a refusal
+    aborts the generation they were written into).
+
     ``begin`` may refuse (identity admission of the engine side); ``write_segment``
     receives payloads already checked against their descriptor digest, as a view that is
     valid only for the duration of the call (copy what you keep); ``prepare`` must
@@ -88,7 +97,7 @@ class Sink(Protocol):
     """
 
     def begin(self, manifest: BeginManifestV2, prefix_cut: int) -> None: ...
-    def write_segment(self, descriptor: SegmentDescriptorV2, payload: memoryview) -> None: ...
+    def write_segment(self, descriptor: SegmentDescriptorV2, payload: "memoryview | PayloadTarget") -> None: ...
     def prepare(self) -> None: ...
     def commit(self) -> None: ...
     def abort(self) -> None: ...
@@ -195,7 +204,12 @@ class Receiver:
         self.held_token_ids = held_token_ids
         self.state = ReceiverState.AWAIT_BEGIN
         self.decoder = FrameDecoder(
-            config.limits, reuse_payload_buffer=True, payload_gate=self._admit_payload, payload_buffers=payload_buffers, reuse_buffers=reuse_buffers
+            config.limits,
+            reuse_payload_buffer=True,
+            payload_gate=self._admit_payload,
+            payload_buffers=payload_buffers,
+            reuse_buffers=reuse_buffers,
+            payload_target=self._payload_target if callable(getattr(sink, "payload_target", None)) else None,
         )
         self.manifest: Optional[BeginManifestV2] = None
         #: The begin that was parsed, admitted or not (receipts name the transfer_id and
@@ -360,10 +374,12 @@ class Receiver:
         if stream is not None:
             stream.cancel()
 
-    def _segment_digest(self, payload: memoryview, stream: Optional[PayloadStream]) -> str:
+    def _segment_digest(self, payload: "memoryview | PayloadTarget", stream: Optional[PayloadStream]) -> str:
         """The segment's SHA-256 (hex), with the running payload digest fed by it: from the
         hash stream that followed this payload in, else computed now."""
         if stream is None or stream.view is not payload:
+            if isinstance(payload, PayloadTarget):
+                return self._acc.add_pieces_and_digest(payload.pieces, payload.nbytes)
             return self._acc.add_payload_and_digest(payload, self._hash_executor)
         try:
             got = stream.digest()  # waits for both lanes: the buffer is ours again after
@@ -462,6 +478,23 @@ class Receiver:
         if length != d.byte_len:
             raise ProtocolError("digest", f"segment {header.sequence}: {length} payload bytes declared, descriptor says {d.byte_len}")
 
+    def _payload_target(self, header: Segment, length: int) -> Optional[PayloadTarget]:
+        """The sink's destination for a segment the gate just accepted (see :class:`Sink`)."""
+        m = self.manifest
+        assert m is not None  # the gate refused the segment otherwise
+        d = header.descriptor if m.deferred_segments else m.segments[header.sequence]
+        assert d is not None  # the gate checked it
+        try:
+            target = self.sink.payload_target(d)  # type: ignore[attr-defined]
+        except ProtocolError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a sink failure refuses the transfer
+            detail = exc.verdict() if isinstance(exc, KvpackError) else f"{type(exc).__name__}: {exc}"
+            raise ProtocolError("sink", detail, remote=False) from exc
+        if target is not None and not isinstance(target, PayloadTarget):
+            raise ProtocolError("sink", f"payload_target returned {type(target).__name__}", remote=False)
+        return target
+
     def _on_segment(self, frame: Segment, stream: Optional[PayloadStream] = None) -> list[Effect]:
         m = self.manifest
         assert m is not None  # the transition table admits a segment only after a begin
@@ -482,7 +515,7 @@ class Receiver:
             d = m.segments[seq]
         if self._witness is not None:
             self._witness.observe(d)
-        payload = frame.payload
+        payload: "memoryview | PayloadTarget" = frame.payload if frame.target is None else frame.target
         if payload.nbytes != d.byte_len:
             raise ProtocolError("digest", f"segment {seq}: {payload.nbytes} payload bytes, descriptor says {d.byte_len}")
         # the running payload digest is fed in the same pass; a mismatch closes the machine,

@@ -21,6 +21,9 @@ its decryption) overlaps the hashing of the bytes before it:
   accumulator changes only when the receiver adopts it, at the very step where it fed the
   running digest before (the protocol's order of checks and their effects do not change).
 
+The payload may also be a :class:`~.target.PayloadTarget` (read straight into a sink's
+destination pieces): the lanes then hash the same byte ranges piece by piece.
+
 Nothing here touches sockets or starts threads: the receiver state machine feeds it offsets
 of its own buffer, and the executor is a parameter.
 
@@ -36,6 +39,7 @@ from concurrent.futures import Executor
 from typing import TYPE_CHECKING, Optional
 
 from .hashing import INLINE
+from .target import PayloadTarget
 
 if TYPE_CHECKING:
     from hashlib import _Hash
@@ -51,7 +55,7 @@ class _Lane:
 
     __slots__ = ("_hash", "_view", "_executor", "_lock", "_done", "_target", "_busy", "_idle", "_error", "_cancelled")
 
-    def __init__(self, h: _Hash, view: memoryview, executor: Executor) -> None:
+    def __init__(self, h: _Hash, view: PayloadTarget, executor: Executor) -> None:
         self._hash = h
         self._view = view
         self._executor = executor
@@ -85,6 +89,7 @@ class _Lane:
     def _drain(self) -> None:
         update = self._hash.update
         view = self._view
+        single = view.pieces[0] if len(view.pieces) == 1 else None
         while True:
             with self._lock:
                 a, b = self._done, self._target
@@ -93,7 +98,11 @@ class _Lane:
                     self._idle.set()
                     return
             try:
-                update(view[a:b])
+                if single is not None:
+                    update(single[a:b])
+                else:
+                    for piece in view.slices(a, b):
+                        update(piece)
             except BaseException as exc:  # reported by wait(); the stream is then unusable
                 self._error = exc
             self._done = b
@@ -113,7 +122,7 @@ class _Lane:
 class PayloadStream:
     """The two digests of one segment payload, fed range by range as it arrives.
 
-    ``view`` is the whole payload buffer (filled front to back by the driver);
+    ``view`` is the whole payload buffer or target (filled front to back by the driver);
     ``running`` is the accumulator's running payload hash, which is copied, never updated.
     Call :meth:`feed` with the number of bytes filled so far (it hashes only complete
     ranges of at least ``chunk`` bytes unless ``final``), then :meth:`digest` once the
@@ -123,16 +132,17 @@ class PayloadStream:
 
     __slots__ = ("view", "chunk", "segment_hash", "running_hash", "fed", "filled", "_lanes", "_done")
 
-    def __init__(self, view: memoryview, running: _Hash, chunk: int, executor: Executor = INLINE) -> None:
+    def __init__(self, view: "memoryview | PayloadTarget", running: _Hash, chunk: int, executor: Executor = INLINE) -> None:
         if chunk < 1:
             raise ValueError("chunk must be positive")
         self.view = view
+        pieces = PayloadTarget.of(view)
         self.chunk = chunk
         self.segment_hash = hashlib.sha256()
         self.running_hash = running.copy()
         self.fed = 0  # bytes of view handed to the lanes
         self.filled = 0  # bytes of view the driver reported filled
-        self._lanes = (_Lane(self.segment_hash, view, executor), _Lane(self.running_hash, view, executor))
+        self._lanes = (_Lane(self.segment_hash, pieces, executor), _Lane(self.running_hash, pieces, executor))
         self._done = False
 
     def room(self) -> int:

@@ -46,7 +46,7 @@ from .ledger_gate import LedgerGate
 from .local_api import NEVER, CancelToken
 from .striping import SharedInstall, StripeSink, parse_stripe
 from .transport import Deadline, fill
-from .wire import copy_prefix, held_digest, scatter_tile
+from .wire import copy_prefix, held_digest, scatter_tile, tile_landed, tile_target
 
 FIRST_FRAME_S = 30.0
 #: a payload's digests are fed in ranges of this size while it arrives: 1 MiB instead of the
@@ -130,13 +130,15 @@ class Pending:
             shared.fail(f"{type(error).__name__}: {error}")
         self.event.set()
 
-    def install_for(self, count: int, open_install: Callable, scatter: Callable) -> SharedInstall:
+    def install_for(
+        self, count: int, open_install: Callable, scatter: Callable, targets: Optional[Callable] = None, landed: Optional[Callable] = None
+    ) -> SharedInstall:
         """The request's one detached install, made by its first admitted stripe."""
         with self.lock:
             if self.done:
                 raise ProtocolError("state", "the request this connection could serve is finished", remote=False)
             if self.shared is None:
-                self.shared = SharedInstall(count, open_install, scatter, self.end)
+                self.shared = SharedInstall(count, open_install, scatter, self.end, targets, landed)
             elif self.shared.count != count:
                 raise ProtocolError("identity", f"stripe count {count} differs from the request's first stripe ({self.shared.count})")
             return self.shared
@@ -165,6 +167,7 @@ def merge_stripes(infos: dict[int, dict]) -> dict:
     first.update(
         stripes=len(ordered),
         segments=sum(o.get("segments", 0) for o in ordered),
+        segments_in_place=sum(o.get("segments_in_place", 0) for o in ordered),
         payload_bytes=sum(o.get("payload_bytes", 0) for o in ordered),
         transfer_ids=[o.get("transfer_id") for o in ordered],
         generations=[o.get("generation") for o in ordered],
@@ -254,7 +257,10 @@ class InboundRun:
         self.index, self.count = stripe
         link = pending.link
         cfg = link.config
-        self.shared = pending.install_for(self.count, self._open_install, self._scatter)
+        in_place = getattr(node, "receive_in_place", True)
+        self.shared = pending.install_for(
+            self.count, self._open_install, self._scatter, self._targets if in_place else None, self._landed if in_place else None
+        )
         # segments are written into the install on the node's install pool while the next
         # one is read (two payload buffers, see kvpack.node.striping); no pool: inline
         install_pool = getattr(node, "install_executor", None)
@@ -304,6 +310,12 @@ class InboundRun:
 
     def _scatter(self, install: Any, descriptor: Any, payload: memoryview) -> None:
         scatter_tile(install, self.node.geometry, descriptor, payload)
+
+    def _targets(self, install: Any, descriptor: Any) -> Optional[list[memoryview]]:
+        return tile_target(install, self.node.geometry, descriptor)
+
+    def _landed(self, install: Any, descriptor: Any) -> None:
+        tile_landed(install, self.node.geometry, descriptor)
 
     def run(self) -> Outcome:
         try:
@@ -410,6 +422,7 @@ class InboundRun:
             "held_tokens": 0 if p.held_tokens is None else len(p.held_tokens),
             "held_prefix_sha256": None if p.held_tokens is None else held_digest(p.held_tokens),
             "segments": rx.segments_received,
+            "segments_in_place": self.sink.in_place,
             "payload_bytes": rx.bytes_received,
             "prefix_bytes_copied": int(self.shared.t.get("prefix_bytes", 0)) if self.index == 0 else 0,
             "digests": None if core is None else {k: getattr(core, k) for k in ("begin_sha256", "descriptor_sha256", "payload_sha256")},

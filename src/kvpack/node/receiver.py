@@ -235,6 +235,9 @@ class ReceiverNode:
         self.install_executor: Optional[ThreadPoolExecutor] = None
         #: payload buffers kept between transfers (idle bytes bounded)
         self.payload_buffers = PayloadBufferPool(PAYLOAD_POOL_BYTES)
+        #: read segments straight into an install that hands out its rows (the arrays
+        #: engine; kvpack.handoff.target); False stages and scatters every segment
+        self.receive_in_place = True
         self.slots: Optional[DecodeSlots] = None
         self._bound = False
         #: unsolicited links: named sessions and concurrent transfers

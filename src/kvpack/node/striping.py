@@ -20,6 +20,13 @@ stripes *without weakening anything*:
   and commits it; only then do the stripes acknowledge. Any stripe's refusal (or the
   deadline) aborts the install for all: nothing is installed, every stripe is refused.
 
+In place: when the node can map a segment onto the install's rows (``targets``; the
+arrays engine hands out row views), the stripe's sink gives the handoff receiver the
+segment's destination pieces (:mod:`kvpack.handoff.target`) once its header passed the
+checks, the payload is read straight into the detached install, and the verified segment
+only marks its rows written (``landed``): no staging buffer, no scatter copy. Bytes that
+fail their digest were written into rows nothing counts, of an install the refusal aborts.
+
 Writes: an install that declares ``concurrent_row_writes`` (disjoint rows from several
 threads are safe: the arrays engine) takes every stripe's segments at once; any other
 install takes one write at a time. A stripe's sink may write a segment *asynchronously*
@@ -43,6 +50,7 @@ from typing import Any, Callable, Optional
 
 from ..errors import EngineError, ProtocolError
 from ..handoff.manifest import BeginManifestV2, SegmentDescriptorV2
+from ..handoff.target import PayloadTarget
 
 _STRIPE_SUFFIX = re.compile(r"-(\d{1,20})-s(\d{1,2})\.(\d{1,2})\Z")
 
@@ -86,10 +94,14 @@ class SharedInstall:
         open_install: Callable[[BeginManifestV2, int], Any],
         scatter: Callable[[Any, SegmentDescriptorV2, memoryview], None],
         deadline: float,
+        targets: Optional[Callable[[Any, SegmentDescriptorV2], Optional[list[memoryview]]]] = None,
+        landed: Optional[Callable[[Any, SegmentDescriptorV2], None]] = None,
     ) -> None:
         self.count = count
         self._open = open_install
         self._scatter = scatter
+        self._targets = targets
+        self._landed = landed
         self.deadline = deadline  # monotonic: every stripe must have arrived by then
         self.install: Any = None
         self._key: Optional[tuple] = None
@@ -129,6 +141,36 @@ class SharedInstall:
             self._active += 1
         try:
             self._scatter(self.install, descriptor, payload)  # disjoint rows: stripes at once
+        finally:
+            with self._writers:
+                self._active -= 1
+                self._writers.notify_all()
+
+    def target(self, descriptor: SegmentDescriptorV2) -> Optional[PayloadTarget]:
+        """The segment's destination pieces in the install (claimed), or None: stage it.
+        Only installs that take concurrent writers hand out rows (disjoint per stripe)."""
+        if self._targets is None or self._landed is None or not self.concurrent:
+            return None
+        with self._writers:
+            self._raise_if_failed()
+            self._active += 1
+        try:
+            pieces = self._targets(self.install, descriptor)
+        finally:
+            with self._writers:
+                self._active -= 1
+                self._writers.notify_all()
+        return None if pieces is None else PayloadTarget(pieces, token=descriptor)
+
+    def land(self, descriptor: SegmentDescriptorV2, target: PayloadTarget) -> None:
+        """A segment read into :meth:`target`'s pieces verified: its rows count as written."""
+        if target.token is not descriptor or self._landed is None:
+            raise ProtocolError("sink", "a verified payload target that this install did not hand out", remote=False)
+        with self._writers:
+            self._raise_if_failed()
+            self._active += 1
+        try:
+            self._landed(self.install, descriptor)
         finally:
             with self._writers:
                 self._active -= 1
@@ -205,12 +247,20 @@ class StripeSink:
         self.executor = executor
         self._inflight: Optional[Future[None]] = None
         self.t: dict[str, float] = {}
+        self.in_place = 0  # segments read straight into the install (receipts say so)
 
     def begin(self, manifest: BeginManifestV2, prefix_cut: int) -> None:
         self.shared.join(self.index, manifest, prefix_cut)
 
-    def write_segment(self, descriptor: SegmentDescriptorV2, payload: memoryview) -> None:
+    def payload_target(self, descriptor: SegmentDescriptorV2) -> Optional[PayloadTarget]:
+        return self.shared.target(descriptor)
+
+    def write_segment(self, descriptor: SegmentDescriptorV2, payload: "memoryview | PayloadTarget") -> None:
         self._settle()  # the previous segment's buffer is free only once its write ended
+        if isinstance(payload, PayloadTarget):  # already in place: count its rows
+            self.shared.land(descriptor, payload)
+            self.in_place += 1
+            return
         if self.executor is None:
             self.shared.write(descriptor, payload)
             return

@@ -162,6 +162,27 @@ def scatter_tile(install, geometry: TileGeometry, segment: SpanSegment, payload:
         install.write_rows(layer, role, segment.logical_start, payload[i * plane : (i + 1) * plane])
 
 
+def tile_target(install, geometry: TileGeometry, segment: SpanSegment) -> list[memoryview] | None:
+    """The destination pieces of one segment in a detached install -- per layer of its group,
+    the K then V rows, exactly the payload's order -- claimed for a verifier to read the
+    payload straight into (see :mod:`kvpack.handoff.target`); None when the install cannot
+    hand out rows (the payload is then staged and scattered by :func:`scatter_tile`)."""
+    claim = getattr(install, "claim_rows", None)
+    if claim is None:
+        return None
+    layers = geometry.group(segment)
+    planes = geometry.planes(layers)
+    if segment.byte_len != segment.logical_count * geometry.row_bytes * len(planes):
+        raise EngineError("layout", f"tile of {segment.byte_len} bytes does not match {segment.logical_count} rows of {len(layers)} layers")
+    return [claim(layer, role, segment.logical_start, segment.logical_count) for layer, role in planes]
+
+
+def tile_landed(install, geometry: TileGeometry, segment: SpanSegment) -> None:
+    """The segment read into :func:`tile_target`'s pieces verified: count its rows as written."""
+    for layer, role in geometry.planes(geometry.group(segment)):
+        install.rows_landed(layer, role, segment.logical_start, segment.logical_count)
+
+
 def copy_prefix(source, install, geometry: TileGeometry, cut: int) -> int:
     """The rows before ``cut`` that ``install`` needs, from a held source; returns bytes.
 
