@@ -18,6 +18,13 @@ vs a raw TLS stream of the same bytes and vs benchmarks/bench_handoff_procs.py's
 stripes (one process per stripe per side) on a payload of the same size and segment size,
 both run by this script in the same run (``--no-peers`` skips them).
 
+CPU: each measured handoff request also reports the CPU seconds (user + system, from
+/proc) the producer and receiver daemons spent on it -- from the request until both went
+idle again, so the producer's remembering after its answer counts -- and
+``cpu_vs_procs_one_stripe``: both daemons' CPU per payload byte over bench_handoff_procs'
+sender + receiver CPU per byte at one stripe. On a shared small host, where other jobs move
+the Gbps figures, this ratio is the steadier one.
+
 Goals (issue 14, H200 host, 16 cores): one stream through the daemons >= 0.9 of the
 benchmark's single sealed stripe (>= 6.5 Gbps), >= 20 Gbps at 4 stripes; sessions: aggregate
 Gbps grows with concurrency while p50 stays near one session's.
@@ -255,7 +262,30 @@ def _phases(result: dict) -> dict:
     return out
 
 
-def bench_handoff(args, sock: str, engine, out: str | None) -> list[dict]:
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process so far (Linux /proc; 0.0 elsewhere)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+def _settle(pids: list[int], quiet_s: float = 0.3, limit_s: float = 60.0) -> list[float]:
+    """Wait until the processes are idle (under 20 ms of CPU in ``quiet_s``); their CPU."""
+    end = time.monotonic() + limit_s
+    last = [_cpu_s(p) for p in pids]
+    while time.monotonic() < end:
+        time.sleep(quiet_s)
+        now = [_cpu_s(p) for p in pids]
+        if sum(now) - sum(last) < 0.02:
+            return now
+        last = now
+    return last
+
+
+def bench_handoff(args, sock: str, engine, out: str | None, pids: list[int] | None = None) -> list[dict]:
     geometry = TileGeometry.of(engine.layout)
     per_token = geometry.tile_bytes(1)
     tokens = max(512, (args.handoff_mib << 20) // per_token)
@@ -269,12 +299,14 @@ def bench_handoff(args, sock: str, engine, out: str | None) -> list[dict]:
             # the token after the resident prompt differs in every request: the decode
             # node's live session (prompt + the previous request's next token) is then no
             # prefix of it, so every measured request takes a full transfer, never local reuse
+            cpu0 = _settle(pids or [])
             dt, res = _request(sock, prompt + [100 + k * args.repeat + rep, 7], 1, stripes)
+            cpu = [b - a for a, b in zip(cpu0, _settle(pids or []))]
             t = res.get("transfer") or {}
             if not t.get("payload_bytes") or (res.get("plan") or {}).get("action") not in (None, "full_transfer"):
                 raise RuntimeError(f"request {k}/{rep} was not a full transfer: plan {res.get('plan')}")
             runs.append(
-                (dt, _wire_s(res), t.get("payload_bytes", 0), t.get("stripes", 1), (t.get("producer_receipt") or {}).get("prefill_tokens"), _phases(res))
+                (dt, _wire_s(res), t.get("payload_bytes", 0), t.get("stripes", 1), (t.get("producer_receipt") or {}).get("prefill_tokens"), _phases(res), cpu)
             )
         dt = statistics.median(r[0] for r in runs)
         wire = statistics.median(r[1] for r in runs)
@@ -293,6 +325,9 @@ def bench_handoff(args, sock: str, engine, out: str | None) -> list[dict]:
                 "request_gbps": round(payload * 8 / dt / 1e9, 3),
                 "repeat": args.repeat,
                 "phases_s": runs[len(runs) // 2][5],  # where the request's time went (one run)
+                "producer_cpu_s": round(statistics.median(r[6][0] for r in runs), 3) if pids else None,
+                "receiver_cpu_s": round(statistics.median(r[6][1] for r in runs), 3) if pids else None,
+                "segments_in_place": (res.get("transfer") or {}).get("segments_in_place"),
                 "engine": args.engine,
                 "tile_bytes": geometry.tile_bytes(256),
                 "cpus": os.cpu_count(),
@@ -360,13 +395,18 @@ def main(argv=None) -> int:
         if not args.skip_handoff:
             producer, receiver, sock = _start(args, root, cluster, 1, 0)
             try:
-                lines = bench_handoff(args, sock, engine, args.out)
+                lines = bench_handoff(args, sock, engine, args.out, [producer.proc.pid, receiver.proc.pid])
             finally:
                 receiver.stop()
                 producer.stop()
             ref = {} if args.no_peers else peers(args, lines[0]["payload_bytes"], lines[0]["tile_bytes"])
             one = ref.get(1, {}).get("sealed_gbps")
+            one_cpu = ref.get(1, {}).get("sealed_cpu_s")
+            one_bytes = ref.get(1, {}).get("payload_bytes")
             for line in lines:
+                if one_cpu and one_bytes and line.get("producer_cpu_s") is not None:
+                    daemons = (line["producer_cpu_s"] + line["receiver_cpu_s"]) / line["payload_bytes"]
+                    line.update(procs_one_stripe_cpu_s=one_cpu, cpu_vs_procs_one_stripe=round(daemons / (one_cpu / one_bytes), 3))
                 p = ref.get(line["stripes"], {})
                 line.update(
                     procs_stripes=p.get("stripes"),

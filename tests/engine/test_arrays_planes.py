@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpack.engine.arrays import ArrayEngine, array_layout
+from kvpack.errors import EngineError
 
 LAYOUTS = {
     "full-f32": array_layout(3, 2, 8),
@@ -113,3 +114,75 @@ def test_an_installed_cache_takes_the_boundary_token_and_decoding_in_place():
     ref = _session(layout, tokens + [11], 256)
     ref.decode_greedy(8)
     assert s.cache_digest() == ref.cache_digest()
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+@pytest.mark.parametrize("last_use", [False, True])
+def test_a_resident_prefix_is_installed_by_reference_and_continues_exactly(name, last_use):
+    """A producer's resident hit: the prefix is lent to the job's install (share_rows), no
+    whole-cache copy; the job's prefill then appends after it (or folds a sliding window)
+    and computes exactly what an uninterrupted prefill computes; the lent rows never change."""
+    from kvpack.node.ladder import RowsSource
+    from kvpack.node.wire import TileGeometry, copy_prefix
+
+    layout = LAYOUTS[name]
+    engine = ArrayEngine(layout)
+    tokens = list(range(3, 700))
+    earlier = _session(layout, tokens[:512], 256)
+    source = RowsSource.capture(earlier, 512, last_use=last_use)
+    lent = {key: bytes(source.export_rows(key[0], key[1], *source.retained_range(key[0]))) for key in source.planes}
+    job = engine.new_session()
+    install = job.begin_install(512, tokens[:512], engine.identity)
+    if name == "full-f32":
+        copy_prefix(source, install, TileGeometry.of(layout), 512)
+    else:  # no wire mapping for these layouts: lend plane by plane as copy_prefix does
+        for spec in layout.layers:
+            lo = install.required_range(spec.index)[0]
+            for role in layout.roles:
+                assert install.share_rows(spec.index, role, lo, source.export_rows(spec.index, role, lo, 512))
+    assert set(install._shared) == set(install._shapes) and not install._planes  # every plane by reference
+    install.commit(require_logits=False)
+    job.prefill(tokens[512:], chunk_size=256)
+    job.prefill([5, 6, 7])  # decode-like single rows after the chunk
+    reference = _session(layout, tokens + [5, 6, 7], 256)
+    assert job.cache_digest() == reference.cache_digest()
+    for key in source.planes:
+        assert bytes(source.export_rows(key[0], key[1], *source.retained_range(key[0]))) == lent[key]
+    # the job's prompt remembered in turn: by reference, lent head and own rows as parts;
+    # the next job is lent its aligned prefix (inside the head) again without a copy
+    again = RowsSource.capture(job, job.position, last_use=last_use)
+    for spec in layout.layers:
+        for role in layout.roles:
+            lo = again.retained_range(spec.index)[0]
+            assert bytes(again.export_rows(spec.index, role, lo, job.position)) == bytes(reference.export_rows(spec.index, role, lo, job.position))
+    if name == "f16-windowed":
+        return  # its windows at 700 no longer hold the rows a cut at 512 needs
+    nxt = engine.new_session()
+    install = nxt.begin_install(512, tokens[:512], engine.identity)
+    for spec in layout.layers:
+        lo = install.required_range(spec.index)[0]
+        for role in layout.roles:
+            rows = again.export_rows(spec.index, role, lo, 512)
+            if not install.share_rows(spec.index, role, lo, rows):
+                install.write_rows(spec.index, role, lo, rows)
+    if last_use and name == "full-f32":
+        assert set(install._shared) == set(install._shapes) and not install._planes
+    install.commit(require_logits=False)
+    nxt.prefill(tokens[512:] + [5, 6, 7], chunk_size=256)
+    assert nxt.cache_digest() == reference.cache_digest()
+
+
+def test_share_rows_takes_only_a_whole_plane_and_never_twice():
+    layout = LAYOUTS["full-f32"]
+    engine = ArrayEngine(layout)
+    src = _session(layout, list(range(1, 300)))
+    install = engine.new_session().begin_install(299, list(range(1, 300)), engine.identity)
+    assert not install.share_rows(0, "k", 0, src.export_rows(0, "k", 0, 298))  # not the whole range
+    install.write_rows(0, "v", 0, src.export_rows(0, "v", 0, 10))
+    with pytest.raises(EngineError):
+        install.share_rows(0, "v", 0, src.export_rows(0, "v", 0, 299))
+    assert install.share_rows(0, "k", 0, src.export_rows(0, "k", 0, 299))
+    with pytest.raises(EngineError):
+        install.write_rows(0, "k", 0, src.export_rows(0, "k", 0, 1))
+    install.abort()
+    assert install._shared == {} and install._planes == {}

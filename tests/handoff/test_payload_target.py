@@ -117,3 +117,37 @@ def test_target_pieces_and_slices():
     assert t.remaining(10).nbytes == 0
     assert b"".join(bytes(p) for p in t.slices(2, 8)) == bytes(range(2, 8))
     assert t.tobytes() == bytes(buf)
+
+
+@pytest.mark.parametrize("deferred", [False, True])
+@pytest.mark.parametrize("pooled", [False, True])
+def test_a_payload_sent_from_its_pieces_is_the_same_stream(deferred, pooled):
+    """The sender hashes and frames a payload held in pieces (a tile's plane rows by
+    reference) without joining it: the bytes on the wire and every digest are those of the
+    joined payload, and a receiver commits them."""
+    from kvpack.handoff.sender import Sender, declare_segments
+    from kvpack.handoff.schedule import schedule_span
+
+    from ._support import manifest, payloads_for
+
+    intents = schedule_span(TINY, 40, 0)
+    payloads = payloads_for(intents, 3)
+    prompt = tuple(range(100, 140))
+    m = manifest(prompt, deferred=True) if deferred else manifest(prompt, segments=declare_segments(intents, payloads))
+    streams = []
+    with ThreadPoolExecutor(2) as pool:
+        for split in (False, True):
+            kw = {"hash_executor": pool} if pooled else {}
+            s = Sender(m, KEY, **kw)
+            out = [b"".join(bytes(b) for b in s.begin())]
+            for intent, p in zip(intents, payloads):
+                view = memoryview(bytearray(p))
+                payload = PayloadTarget([view[:5], view[5:9], view[9:]]) if split else view
+                out.append(b"".join(bytes(b) for b in s.send_segment(payload, intent if deferred else None)))
+            out.append(b"".join(bytes(b) for b in s.seal()))
+            streams.append(b"".join(out))
+    assert streams[0] == streams[1]
+    sink = RecordingSink()
+    r = _receiver(sink)
+    _feed(r, streams[1], 1 << 20)
+    assert sink.committed and sink.live == b"".join(payloads)

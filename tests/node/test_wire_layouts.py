@@ -210,3 +210,35 @@ def test_windowed_prefix_is_offered_only_where_its_window_holds_the_cut():
     assert radix.lookup(b"id", tokens[:257] + [99]) is None
     with pytest.raises(EngineError):
         RowsSource.capture(s, 256)  # the window ending at 256 slid out of the session
+
+
+def test_tile_pieces_are_the_packed_tile_by_reference_and_only_from_stable_rows():
+    """The producer sends a tile from its plane rows (no packed copy) only where those rows
+    never change under the views: an arrays session while it keeps prefilling, a resident
+    entry; the bytes are exactly pack_tile's."""
+    from kvpack.engine.arrays import ArrayEngine, array_layout
+    from kvpack.node.ladder import RowsSource
+    from kvpack.node.wire import TileGeometry, pack_tile, tile_pieces
+
+    engine = ArrayEngine(array_layout(layers=3, kv_heads=2, head_dim=4, dtype="f32"))
+    geometry = TileGeometry.of(engine.layout)
+    session = engine.new_session()
+    session.prefill(list(range(1, 600)), chunk_size=256)
+    seg = geometry.schedule(599)[1]
+    packed = bytes(pack_tile(session, geometry, seg))
+    pieces = tile_pieces(session, geometry, seg)
+    assert pieces is not None and len(pieces.pieces) == 6 and pieces.tobytes() == packed
+    session.prefill(list(range(600, 1200)), chunk_size=256)  # grows the planes: the views keep their bytes
+    assert pieces.tobytes() == packed
+    held = tile_pieces(RowsSource.capture(session, 1199), geometry, seg)
+    assert held is not None and held.tobytes() == packed
+
+    class Unstable:  # an engine that does not promise stable export_rows views
+        def __init__(self, inner):
+            self.inner = inner
+
+        def export_rows(self, *a):
+            return self.inner.export_rows(*a)
+
+    assert tile_pieces(Unstable(session), geometry, seg) is None
+    assert bytes(pack_tile(Unstable(session), geometry, seg)) == packed

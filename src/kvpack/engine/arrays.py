@@ -11,6 +11,7 @@ hold the same bytes, whatever the chunking.
 from __future__ import annotations
 
 import hashlib
+import threading
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -104,14 +105,20 @@ class _Plane:
     A buffer is never rewritten in place once rows are stored: growing or dropping rows that
     slid out of a window allocates a new buffer, so a view handed out by ``export_rows``
     keeps the bytes it had.
+
+    ``head``: the plane's first rows as an immutable buffer taken by reference (a resident
+    prefix installed with ``ArrayInstall.share_rows``: no copy); ``buf`` then holds the rows
+    after them. A range across the two is concatenated (a copy of that range only); rows
+    sliding out of a window fold both back into one buffer.
     """
 
-    __slots__ = ("buf", "base", "rows")
+    __slots__ = ("buf", "base", "rows", "head")
 
     def __init__(self, row_bytes: int, capacity: int = 0, base: int = 0) -> None:
         self.buf = np.empty((capacity, row_bytes), np.uint8)
-        self.base = base  # absolute position of buf[0]
-        self.rows = 0  # valid rows: absolute [base, base + rows)
+        self.base = base  # absolute position of the first row (of head, when there is one)
+        self.rows = 0  # valid rows: absolute [base, base + rows), head included
+        self.head: np.ndarray | None = None
 
     @classmethod
     def adopt(cls, buf: np.ndarray, base: int, rows: int | None = None) -> "_Plane":
@@ -121,14 +128,57 @@ class _Plane:
         plane.buf, plane.base, plane.rows = buf, base, buf.shape[0] if rows is None else rows
         return plane
 
+    @classmethod
+    def over_head(cls, head: np.ndarray, base: int, spare: int) -> "_Plane":
+        """A plane whose rows are ``head`` (by reference), with ``spare`` rows to append."""
+        plane = cls(head.shape[1], spare, base)
+        plane.head, plane.rows = head, head.shape[0]
+        return plane
+
     def view(self, start: int, stop: int) -> np.ndarray:
-        return self.buf[start - self.base : stop - self.base]
+        head = self.head
+        if head is None:
+            return self.buf[start - self.base : stop - self.base]
+        split = self.base + head.shape[0]
+        if stop <= split:
+            return head[start - self.base : stop - self.base]
+        if start >= split:
+            return self.buf[start - split : stop - split]
+        return np.concatenate((head[start - self.base :], self.buf[: stop - split]))
+
+    def parts(self, start: int, stop: int) -> list[np.ndarray]:
+        """Rows ``[start, stop)`` as views, one per buffer they lie in (head, tail): no copy."""
+        head = self.head
+        split = self.base if head is None else self.base + head.shape[0]
+        if head is None or start >= split or stop <= split:
+            return [self.view(start, stop)]
+        return [head[start - self.base :], self.buf[: stop - split]]
+
+    def _fold(self) -> None:
+        """Head and tail back into one buffer (rows are about to slide out of a window)."""
+        assert self.head is not None
+        tail = self.rows - self.head.shape[0]
+        self.buf = np.concatenate((self.head, self.buf[:tail]))
+        self.head = None
 
     def append(self, rows: np.ndarray, keep_from: int, reserve_to: int) -> None:
         """Append ``rows`` at ``base + rows``; rows before ``keep_from`` may be dropped;
         capacity for absolute positions up to ``reserve_to`` is allocated in one go."""
         start = self.base + self.rows
         end = start + rows.shape[0]
+        if self.head is not None:
+            if min(keep_from, start) > self.base:
+                self._fold()
+            else:
+                split = self.base + self.head.shape[0]
+                tail = start - split
+                if end - split > self.buf.shape[0]:
+                    fresh = np.empty((max(end, reserve_to) - split + max(tail, 64), self.buf.shape[1]), np.uint8)
+                    fresh[:tail] = self.buf[:tail]
+                    self.buf = fresh
+                self.buf[tail : end - split] = rows
+                self.rows += rows.shape[0]
+                return
         if end - self.base > self.buf.shape[0]:
             keep = max(self.base, min(keep_from, start))
             need = max(end, reserve_to) - keep
@@ -142,6 +192,10 @@ class _Plane:
 
 
 class ArraySession:
+    #: a view from ``export_rows`` keeps its bytes: stored rows are never rewritten in place
+    #: (see ``_Plane``), so a caller done with the session may keep the views, not copies
+    export_rows_stable = True
+
     def __init__(self, engine: ArrayEngine) -> None:
         self.engine = engine
         self.layout = engine.layout
@@ -183,14 +237,23 @@ class ArraySession:
         rng = np.random.default_rng(int.from_bytes(self._token_hash.digest()[:8], "little"))
         self.last_logits = rng.standard_normal(self.layout.vocab_size).astype(np.float32)
 
-    def _adopt(self, planes: dict[tuple[int, str], np.ndarray], tokens: list[int], logits: np.ndarray | None) -> None:
+    def _adopt(
+        self,
+        planes: dict[tuple[int, str], np.ndarray],
+        tokens: list[int],
+        logits: np.ndarray | None,
+        shared: dict[tuple[int, str], tuple[np.ndarray, int]] | None = None,
+    ) -> None:
         """Take an install's planes (retained rows at ``tokens``' length first, then spare
-        rows) as the live cache."""
+        rows) as the live cache; ``shared`` planes are ``(immutable rows taken by reference,
+        spare rows to allocate after them)``."""
         position = len(tokens)
         planes_of = {}
         for key, buf in planes.items():
             lo, hi = self.layout.retained_range(key[0], position)
             planes_of[key] = _Plane.adopt(buf, lo, hi - lo)
+        for key, (head, spare) in (shared or {}).items():
+            planes_of[key] = _Plane.over_head(head, self.layout.retained_range(key[0], position)[0], spare)
         self._planes = planes_of
         self.tokens = list(tokens)
         self._token_hash = hashlib.sha256(np.asarray(self.tokens, dtype="<u4").tobytes())
@@ -223,6 +286,15 @@ class ArraySession:
         if start == stop:
             return memoryview(b"")
         return np.ascontiguousarray(self._planes[(layer, role)].view(start, stop)).data.cast("B")
+
+    def export_row_parts(self, layer: int, role: str, start: int, stop: int) -> list[memoryview]:
+        """``export_rows`` without joining: a range across a plane's lent head and its own
+        rows comes back as two views (in order), so a caller done with the session keeps
+        both by reference instead of a copy of the range."""
+        lo, hi = self.retained_range(layer)
+        if not lo <= start <= stop <= hi:
+            raise EngineError("layout", f"rows [{start}, {stop}) outside retained [{lo}, {hi})")
+        return [p.data.cast("B") for p in self._planes[(layer, role)].parts(start, stop) if p.shape[0]]
 
     def export_logits(self) -> memoryview:
         if self.last_logits is None:
@@ -260,9 +332,15 @@ class ArrayInstall(InstallContext):
         self.tokens = [int(t) for t in token_ids]
         self.state = "open"
         self._logits: np.ndarray | None = None
-        self._planes = {}
+        # a plane's buffer is made on its first write (a plane lent by share_rows never needs
+        # one); uninitialised: commit refuses unless every needed row was written, and spare
+        # rows are written by an append before anything reads them -- no zero-fill pass
+        self._planes: dict[tuple[int, str], np.ndarray] = {}
+        self._shapes: dict[tuple[int, str], tuple[int, int]] = {}
+        self._alloc = threading.Lock()  # stripes may claim rows of one plane at once
         self._written = {}
         self._claimed = {}  # rows handed out by claim_rows, not yet landed
+        self._shared: dict[tuple[int, str], np.ndarray] = {}  # planes taken by reference (share_rows)
         for spec in self.layout.layers:
             lo, hi = spec.retained_range(cut)
             # spare rows after the needed ones: the boundary token, a last prefill chunk and
@@ -270,7 +348,7 @@ class ArrayInstall(InstallContext):
             # the whole cache into a larger buffer (pages never touched cost nothing)
             spare = _INSTALL_SPARE_ROWS + (hi - lo) // 16
             for role in self.layout.roles:
-                self._planes[(spec.index, role)] = np.zeros((hi - lo + spare, spec.row_bytes), np.uint8)
+                self._shapes[(spec.index, role)] = (hi - lo + spare, spec.row_bytes)
                 self._written[(spec.index, role)] = np.zeros(hi - lo, dtype=bool)
                 self._claimed[(spec.index, role)] = np.zeros(hi - lo, dtype=bool)
 
@@ -291,8 +369,34 @@ class ArrayInstall(InstallContext):
         written = self._written[(layer, role)]
         if written[start - lo : start - lo + n].any() or self._claimed[(layer, role)][start - lo : start - lo + n].any():
             raise EngineError("install", "rows written twice")
-        self._planes[(layer, role)][start - lo : start - lo + n] = view.reshape(n, spec.row_bytes)
+        self._plane((layer, role))[start - lo : start - lo + n] = view.reshape(n, spec.row_bytes)
         written[start - lo : start - lo + n] = True
+
+    def _plane(self, key: tuple[int, str]) -> np.ndarray:
+        buf = self._planes.get(key)
+        if buf is None:
+            with self._alloc:
+                buf = self._planes.get(key)
+                if buf is None:
+                    buf = self._planes[key] = np.empty(self._shapes[key], np.uint8)
+        return buf
+
+    def share_rows(self, layer: int, role: str, start: int, data) -> bool:
+        """Take a plane's whole needed range by reference instead of copying it -- only for
+        rows that never change (a resident prefix: ``copy_prefix`` asks when its source says
+        so). False (nothing done: copy them) unless ``data`` is exactly the needed range."""
+        if self.state != "open":
+            raise EngineError("install", f"install already {self.state}")
+        spec = self.layout.layer(layer)
+        view = np.frombuffer(data, dtype=np.uint8)
+        lo, hi = spec.retained_range(self.cut)
+        if view.size % spec.row_bytes or start != lo or view.size // spec.row_bytes != hi - lo:
+            return False
+        if self._written[(layer, role)].any() or self._claimed[(layer, role)].any():
+            raise EngineError("install", "rows written twice")
+        self._shared[(layer, role)] = view.reshape(hi - lo, spec.row_bytes)
+        self._written[(layer, role)][:] = True
+        return True
 
     def claim_rows(self, layer: int, role: str, start: int, n: int) -> memoryview:
         """A writable view of rows ``[start, start + n)`` of one plane, for a verifier to
@@ -310,7 +414,7 @@ class ArrayInstall(InstallContext):
         if claimed[a:b].any() or written[a:b].any():
             raise EngineError("install", "rows written twice")
         claimed[a:b] = True
-        return self._planes[(layer, role)][a:b].data.cast("B")
+        return self._plane((layer, role))[a:b].data.cast("B")
 
     def rows_landed(self, layer: int, role: str, start: int, n: int) -> None:
         """The bytes of claimed rows verified: they now count as written."""
@@ -340,7 +444,9 @@ class ArrayInstall(InstallContext):
             raise EngineError("install", f"{len(self.missing())} states incomplete")
         if require_logits and self._logits is None:
             raise EngineError("install", "no final-logits row")
-        self.session._adopt(self._planes, self.tokens, self._logits)
+        spare = {key: rows - self._shared[key].shape[0] for key, (rows, _w) in self._shapes.items() if key in self._shared}
+        planes = {key: self._plane(key) for key in self._shapes if key not in self._shared}
+        self.session._adopt(planes, self.tokens, self._logits, {key: (head, spare[key]) for key, head in self._shared.items()})
         self.state = "committed"
 
     def abort(self) -> None:
@@ -349,6 +455,7 @@ class ArrayInstall(InstallContext):
             # nothing published them, and nothing reads them after this)
             self.state = "aborted"
             self._planes = {}
+            self._shared = {}
 
 
 __all__ = ["ArrayEngine", "ArraySession", "ArrayInstall", "array_layout", "LAYER_WINDOWED"]

@@ -90,6 +90,13 @@ def encode_frame(frame: Frame, limits: FrameLimits = FrameLimits()) -> WireBuffe
     header = cj.canonical_bytes(_header_json(frame))
     if not 0 < len(header) <= limits.max_header:
         raise ProtocolError("framing", f"header of {len(header)} bytes exceeds the limit", remote=False)
+    if isinstance(frame, Segment) and frame.target is not None:  # a payload sent from its pieces
+        n = frame.target.nbytes
+        if n == 0:
+            raise ProtocolError("framing", "empty segment", remote=False)
+        if n > limits.max_payload:
+            raise ProtocolError("framing", f"payload of {n} bytes exceeds the limit", remote=False)
+        return [PREAMBLE.pack(MAGIC, len(header), n) + header, *frame.target.pieces]
     if isinstance(frame, Segment):
         payload = frame.payload
         n = payload.nbytes if isinstance(payload, memoryview) else len(payload)

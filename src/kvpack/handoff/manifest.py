@@ -551,15 +551,25 @@ class SealAccumulator:
         self.add_payload(view)
         return digest
 
-    def add_pieces_and_digest(self, pieces: Sequence[memoryview], nbytes: int) -> str:
+    def add_pieces_and_digest(self, pieces: Sequence[memoryview], nbytes: int, executor: Executor = INLINE) -> str:
         """:meth:`add_payload_and_digest` for a payload held in pieces (in wire order)."""
-        segment = hashlib.sha256()
+
+        def segment_digest() -> str:
+            h = hashlib.sha256()
+            for piece in pieces:
+                h.update(piece)
+            return h.hexdigest()
+
+        pending = executor.submit(segment_digest) if executor is not INLINE and nbytes >= _PARALLEL_HASH_MIN else None
+        self.add_pieces(pieces, nbytes)
+        return segment_digest() if pending is None else pending.result()
+
+    def add_pieces(self, pieces: Sequence[memoryview], nbytes: int) -> None:
+        """:meth:`add_payload` for a payload held in pieces (in wire order)."""
         for piece in pieces:
-            segment.update(piece)
             self.payload_hash.update(piece)
         self.segment_count += 1
         self.total_bytes += nbytes
-        return segment.hexdigest()
 
     def add_streamed_payload(self, running_hash: Any, nbytes: int) -> None:
         """Count one payload of ``nbytes`` whose bytes a streaming hasher already fed into

@@ -31,6 +31,7 @@ from ..errors import ProtocolError
 from ..vocab import is_token_aligned, sha256_hex
 from .events import Abort, Ack, Begin, Seal, Segment
 from .events import Frame
+from .target import PayloadTarget
 from .frames import FrameDecoder, FrameLimits, WireBuffers, encode_frame
 from .hashing import INLINE
 from .manifest import (
@@ -54,10 +55,21 @@ Payload = bytes | bytearray | memoryview
 _T = TypeVar("_T")
 
 
-def descriptor_for(intent: SpanSegment | SegmentDescriptorV2, sequence: int, payload: Payload, sha256: str | None = None) -> SegmentDescriptorV2:
+def descriptor_for(
+    intent: SpanSegment | SegmentDescriptorV2, sequence: int, payload: "Payload | PayloadTarget", sha256: str | None = None
+) -> SegmentDescriptorV2:
     """A full descriptor for ``payload`` shaped as ``intent`` (upstream ``descriptor_for``).
-    ``sha256`` may carry the payload digest when the caller already computed it."""
+    ``sha256`` may carry the payload digest when the caller already computed it (it must
+    for a payload in pieces)."""
+    if isinstance(payload, PayloadTarget):
+        if sha256 is None:
+            raise ValueError("a payload in pieces needs its digest")
+        return _descriptor(intent, sequence, payload.nbytes, sha256)
     view = memoryview(payload).cast("B")
+    return _descriptor(intent, sequence, view.nbytes, sha256 if sha256 is not None else sha256_hex(view))
+
+
+def _descriptor(intent: SpanSegment | SegmentDescriptorV2, sequence: int, nbytes: int, sha256: str) -> SegmentDescriptorV2:
     return SegmentDescriptorV2(
         sequence=sequence,
         component_id=intent.component_id,
@@ -67,8 +79,8 @@ def descriptor_for(intent: SpanSegment | SegmentDescriptorV2, sequence: int, pay
         logical_count=intent.logical_count,
         element_type=intent.element_type,
         elements_per_token=intent.elements_per_token,
-        byte_len=view.nbytes,
-        sha256=sha256 if sha256 is not None else sha256_hex(view),
+        byte_len=nbytes,
+        sha256=sha256,
     )
 
 
@@ -139,7 +151,7 @@ class Sender:
     def begin(self) -> WireBuffers:
         return self._guard("begin", self._begin)
 
-    def send_segment(self, payload: Payload, intent: SpanSegment | SegmentDescriptorV2 | None = None) -> WireBuffers:
+    def send_segment(self, payload: "Payload | PayloadTarget", intent: SpanSegment | SegmentDescriptorV2 | None = None) -> WireBuffers:
         return self._guard("segment", self._segment, payload, intent)
 
     def seal(self) -> WireBuffers:
@@ -193,28 +205,41 @@ class Sender:
     def _begin(self) -> WireBuffers:
         return encode_frame(Begin(self.manifest, self.prefix_cut), self.limits)
 
-    def _segment(self, payload: Payload, intent: SpanSegment | SegmentDescriptorV2 | None) -> WireBuffers:
-        view = memoryview(payload).cast("B")
+    def _segment(self, payload: "Payload | PayloadTarget", intent: SpanSegment | SegmentDescriptorV2 | None) -> WireBuffers:
+        # a payload in pieces (PayloadTarget: e.g. the plane rows of a tile) is hashed and
+        # sent piece by piece, never joined into one buffer
+        pieces: Optional[PayloadTarget]
+        if isinstance(payload, PayloadTarget):
+            pieces, view, nbytes = payload, memoryview(b""), payload.nbytes
+        else:
+            pieces, view = None, memoryview(payload).cast("B")
+            nbytes = view.nbytes
         seq = self._next
         if self.deferred:
             if intent is None:
                 raise ProtocolError("manifest", "deferred mode needs a segment intent", remote=False)
             # segment digest and running payload digest in one concurrent pass
-            d = descriptor_for(intent, seq, view, sha256=self._acc.add_payload_and_digest(view, self._hash_executor))
+            if pieces is None:
+                d = descriptor_for(intent, seq, view, sha256=self._acc.add_payload_and_digest(view, self._hash_executor))
+            else:
+                d = descriptor_for(intent, seq, pieces, sha256=self._acc.add_pieces_and_digest(pieces.pieces, nbytes, self._hash_executor))
             check_descriptor(d, self._ids)
             self._overlap.add(d)
-            frame = Segment(seq, view, d)
+            frame = Segment(seq, view, d, target=pieces)
         else:
             if seq >= len(self.manifest.segments):
                 raise ProtocolError("sequence", "more segments than declared", remote=False)
             d = self.manifest.segments[seq]
-            if view.nbytes != d.byte_len:
-                raise ProtocolError("digest", f"segment {seq}: payload is {view.nbytes} bytes, declared {d.byte_len}", remote=False)
-            frame = Segment(seq, view)
+            if nbytes != d.byte_len:
+                raise ProtocolError("digest", f"segment {seq}: payload is {nbytes} bytes, declared {d.byte_len}", remote=False)
+            frame = Segment(seq, view, target=pieces)
         out = encode_frame(frame, self.limits)
         self._acc.add_descriptor(d)
         if not self.deferred:
-            self._acc.add_payload(view)
+            if pieces is None:
+                self._acc.add_payload(view)
+            else:
+                self._acc.add_pieces(pieces.pieces, nbytes)
         self._seen.add(d.component_id)
         self._next += 1
         return out

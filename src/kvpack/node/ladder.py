@@ -59,10 +59,45 @@ def window_covers(layout, held_position: int, cut: int) -> bool:
     return all(layout.retained_range(s.index, held_position)[0] <= layout.retained_range(s.index, cut)[0] for s in layout.layers)
 
 
+class _Parts:
+    """One plane held as consecutive buffers by reference (a producer job's session whose
+    prefix was lent by an earlier entry): a range inside one buffer is a view, a range
+    across two is joined (a copy of that range only)."""
+
+    __slots__ = ("parts", "offsets", "nbytes")
+
+    def __init__(self, parts: list[memoryview]) -> None:
+        self.parts = [p.toreadonly() for p in parts]
+        self.offsets = []
+        at = 0
+        for p in self.parts:
+            self.offsets.append(at)
+            at += p.nbytes
+        self.nbytes = at
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+    def slice(self, a: int, b: int) -> memoryview:
+        pieces = []
+        for off, p in zip(self.offsets, self.parts):
+            lo, hi = max(a, off), min(b, off + p.nbytes)
+            if lo < hi:
+                pieces.append(p[lo - off : hi - off])
+        if len(pieces) == 1:
+            return pieces[0]
+        return memoryview(b"".join(pieces))
+
+
 class RowsSource:
     """The rows a session held at ``position`` for every ``(layer, role)`` plane, as bytes
     (a resident entry): ``[0, n)`` of full layers, the window ending at ``n`` of windowed
-    ones (:meth:`retained_range`)."""
+    ones (:meth:`retained_range`).
+
+    Its rows never change (bytes, or views of a session nobody touches again): an install
+    may take them by reference (``rows_immutable``, see :func:`kvpack.node.wire.copy_prefix`)."""
+
+    rows_immutable = True
 
     def __init__(self, tokens: Sequence[int], planes: dict, row_bytes: dict, lows: Optional[dict] = None, layout=None) -> None:
         self.tokens = tuple(int(t) for t in tokens)
@@ -88,19 +123,35 @@ class RowsSource:
         if not lo <= start <= stop <= len(self.tokens):
             raise ValueError(f"rows [{start}, {stop}) outside the held [{lo}, {len(self.tokens)})")
         rb = self.row_bytes[layer]
-        return memoryview(self.planes[(layer, role)])[(start - lo) * rb : (stop - lo) * rb]
+        plane = self.planes[(layer, role)]
+        if isinstance(plane, _Parts):
+            return plane.slice((start - lo) * rb, (stop - lo) * rb)
+        return memoryview(plane)[(start - lo) * rb : (stop - lo) * rb]
 
     @classmethod
-    def capture(cls, session, n: int) -> "RowsSource":
+    def capture(cls, session, n: int, *, last_use: bool = False) -> "RowsSource":
         """Copy the rows a cache at ``n`` holds out of a session: ``[0, n)`` of full layers
         (any ``n <= position``), the window ending at ``n`` of windowed layers (still held by
-        the session only while it is at ``n``, or ``n`` lies within the first window)."""
+        the session only while it is at ``n``, or ``n`` lies within the first window).
+
+        ``last_use``: the caller never touches ``session`` again (a producer job's session
+        after its answer). A session whose ``export_rows`` views are never rewritten
+        (``export_rows_stable``: the arrays engine) is then taken by reference -- no copy
+        of the whole prompt into the resident tier; any other session is copied."""
         layout = session.layout
-        planes, lows = {}, {}
+        keep_views = last_use and bool(getattr(session, "export_rows_stable", False))
+        parts_of = getattr(session, "export_row_parts", None) if keep_views else None
+        planes: dict = {}
+        lows = {}
         for spec in layout.layers:
             lows[spec.index] = lo = layout.retained_range(spec.index, n)[0]
             for role in sorted(layout.roles):
-                planes[(spec.index, role)] = bytes(session.export_rows(spec.index, role, lo, n))
+                if parts_of is not None:
+                    parts = parts_of(spec.index, role, lo, n)
+                    planes[(spec.index, role)] = _Parts(parts) if len(parts) > 1 else (parts[0].toreadonly() if parts else b"")
+                    continue
+                rows = session.export_rows(spec.index, role, lo, n)
+                planes[(spec.index, role)] = rows.toreadonly() if keep_views else bytes(rows)
         return cls(session.tokens[:n], planes, {s.index: s.row_bytes for s in layout.layers}, lows, layout)
 
 

@@ -70,7 +70,7 @@ from .receipts import ReceiptWriter, RefusalLog
 from .status import attach_producer
 from .striping import stripe_count, stripe_transfer_id
 from .transport import Limits, Listener, bind_tcp
-from .wire import TileGeometry, copy_prefix, pack_tile, span_layout, wire_identity
+from .wire import TileGeometry, copy_prefix, pack_tile, span_layout, tile_pieces, wire_identity
 
 EXPIRY_MS = 900_000  # errata H3: prefilld's begin expires 900 s after creation
 MAX_ERROR = 1024
@@ -441,7 +441,8 @@ class ProducerNode:
             return
         t0 = time.perf_counter()
         try:
-            self.resident.insert(self.identity_digest, RowsSource.capture(session, len(tokens)))
+            # the job's session ends here: its rows are kept by reference where the engine allows
+            self.resident.insert(self.identity_digest, RowsSource.capture(session, len(tokens), last_use=True))
             saved = []
             if self.store is not None:
                 # aligned checkpoints only (see _reuse_plan), and of a windowed layout only those
@@ -634,7 +635,13 @@ class _Job:
             seg = self.schedule[self.next_tile]
             if seg.logical_start + seg.logical_count > upto:
                 break
-            self._put(pack_tile(s, self.node.geometry, seg), seg)
+            self._put(self._payload(s, seg), seg)
+
+    def _payload(self, source: Any, seg: Any) -> Any:
+        """A tile's payload: its plane rows by reference where they never change under the
+        views (tile_pieces), else a packed copy."""
+        pieces = tile_pieces(source, self.node.geometry, seg)
+        return pieces if pieces is not None else pack_tile(source, self.node.geometry, seg)
 
     def _feed_resident(self, cut: int, source: Any) -> None:
         try:
@@ -642,7 +649,7 @@ class _Job:
                 seg = self.schedule[self.next_tile]
                 if seg.logical_start + seg.logical_count > cut:
                     break
-                self._put(lambda seg=seg, geometry=self.node.geometry: pack_tile(source, geometry, seg), seg)
+                self._put(lambda seg=seg: self._payload(source, seg), seg)
         except BaseException as exc:  # noqa: BLE001 - raised again by _join_feeder
             self._feed_error = exc
 

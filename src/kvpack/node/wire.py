@@ -42,10 +42,13 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from ..durable import atomic_write
 from ..engine.contract import LAYER_FULL, CacheLayout
 from ..errors import EngineError
 from ..handoff.manifest import ExactIdentityV1
+from ..handoff.target import PayloadTarget
 from ..handoff.schedule import MUSE, SpanClass, SpanLayout, SpanSegment, schedule_span
 from ..vocab import TOKEN_ALIGN, sha256_hex
 
@@ -139,16 +142,33 @@ class TileGeometry:
         return sum(seg.byte_len for seg in self.schedule(position, cut))
 
 
-def pack_tile(session, geometry: TileGeometry, segment: SpanSegment) -> bytearray:
-    """One segment's payload: per layer of its group, K then V rows (one copy each)."""
+def pack_tile(session, geometry: TileGeometry, segment: SpanSegment) -> memoryview:
+    """One segment's payload: per layer of its group, K then V rows (one copy each).
+
+    The copies are NumPy copies into an uninitialised buffer: they release the GIL (a
+    ``memoryview`` slice assignment holds it for the whole 64 MiB), so the stripe's writer
+    thread (TLS) and the hash lanes keep running while a tile is packed, and no zero-fill
+    pass touches the buffer first."""
     layers = geometry.group(segment)
     start, count = segment.logical_start, segment.logical_count
     plane = count * geometry.row_bytes
-    out = bytearray(geometry.tile_bytes(count, layers))
-    view = memoryview(out)
+    out = np.empty(geometry.tile_bytes(count, layers), np.uint8)
     for i, (layer, role) in enumerate(geometry.planes(layers)):
-        view[i * plane : (i + 1) * plane] = session.export_rows(layer, role, start, start + count)
-    return out
+        np.copyto(out[i * plane : (i + 1) * plane], np.frombuffer(session.export_rows(layer, role, start, start + count), np.uint8))
+    return out.data
+
+
+def tile_pieces(source, geometry: TileGeometry, segment: SpanSegment) -> PayloadTarget | None:
+    """One segment's payload as the plane rows themselves, by reference (K then V per
+    layer, the wire order): the sender hashes and writes them piece by piece, no packed
+    copy. Only from a source whose rows never change under the views -- a session whose
+    stored rows are never rewritten (``export_rows_stable``: the arrays engine, even while
+    it keeps prefilling) or a resident entry (``rows_immutable``); None: pack a copy."""
+    if not (getattr(source, "export_rows_stable", False) or getattr(source, "rows_immutable", False)):
+        return None
+    layers = geometry.group(segment)
+    start, stop = segment.logical_start, segment.logical_start + segment.logical_count
+    return PayloadTarget([source.export_rows(layer, role, start, stop) for layer, role in geometry.planes(layers)])
 
 
 def scatter_tile(install, geometry: TileGeometry, segment: SpanSegment, payload: memoryview) -> None:
@@ -189,14 +209,20 @@ def copy_prefix(source, install, geometry: TileGeometry, cut: int) -> int:
     Full layers: ``[0, cut)``. Windowed layers: ``[lo, cut)`` where ``lo`` is the start of
     the install's window (nothing when the window starts at or after the cut: the wire
     carries all of it). The source must still hold those rows (it refuses evicted rows).
+
+    A source whose rows never change (``rows_immutable``: a resident entry) lends them to an
+    install that can take a whole plane by reference (``share_rows``: the arrays engine)
+    instead of being copied -- a producer's resident prefix then costs no whole-cache copy.
     """
+    share = getattr(install, "share_rows", None) if getattr(source, "rows_immutable", False) else None
     n = 0
     for layer, role in geometry.planes():
         lo = install.required_range(layer)[0]
         if lo >= cut:
             continue
         rows = source.export_rows(layer, role, lo, cut)
-        install.write_rows(layer, role, lo, rows)
+        if share is None or not share(layer, role, lo, rows):
+            install.write_rows(layer, role, lo, rows)
         n += rows.nbytes
     return n
 
