@@ -205,7 +205,7 @@ class ManifestCache:
     load (several packs of ~60 states each, milliseconds apiece in Python); with a cache the
     second decode is a dictionary look-up."""
 
-    def __init__(self, capacity: int = 256) -> None:
+    def __init__(self, capacity: int = 128) -> None:
         if capacity < 1:
             raise ValueError("a manifest cache holds at least one manifest")
         self.capacity = capacity
