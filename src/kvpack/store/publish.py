@@ -321,6 +321,7 @@ def _write_chunks(store: PackStore, session: Any, ctx: _Context, schema: Any, re
     refs: dict = {fs.key: [None] * len(rs.spans) for fs, rs in zip(ctx.family.states, schema.states)}
     jobs = [(fs, i, span) for fs, rs in zip(ctx.family.states, schema.states) for i, span in enumerate(rs.spans)]
     threads = save_threads(store)
+    existing = _ExistingSeen()
     # Export from the engine on this thread (engines need not be thread-safe); hash and
     # encode on the hashing pool, which hands each object to the writing pool: a thread
     # that hashed, then wrote and fsynced, left the disk without its write meanwhile (on the
@@ -332,7 +333,7 @@ def _write_chunks(store: PackStore, session: Any, ctx: _Context, schema: Any, re
         pending: dict[Future, Any] = {}  # future -> its export buffer's release (or None)
         try:
             for (fs, i, span), (plaintext, release) in zip(jobs, _span_exports(store, session, jobs, cut)):
-                pending[hashers.submit(_write_one_chunk, store, ctx, fs, i, span, plaintext, release, staged)] = release
+                pending[hashers.submit(_write_one_chunk, store, ctx, fs, i, span, plaintext, release, staged, existing)] = release
                 _advance(pending, refs, report, block=False)
                 while len(pending) >= 2 * threads:
                     _advance(pending, refs, report, block=True)
@@ -417,8 +418,28 @@ def _record(result: tuple, refs: dict, report: SaveReport) -> None:
         report.chunks_reused += 1
 
 
+class _ExistingSeen:
+    """Whether a create-only chunk write of this save found its object already there. Where
+    the env skips the probe (S3), the chunks of one cut tend to be all new (a first save) or
+    all stored (a republished cut, a full compaction over shared rows); once one PUT answered
+    412 the rest of the save probes first, so a republication does not upload every chunk
+    for nothing (measured: 32 stored chunks republished in 0.27 s probing, 0.37-0.54 s
+    PUT-first)."""
+
+    def __init__(self) -> None:
+        self.seen = False
+
+
 def _write_one_chunk(
-    store: PackStore, ctx: _Context, fs: Any, index: int, span: Any, plaintext: Any, release: Any = None, writers: Any = None
+    store: PackStore,
+    ctx: _Context,
+    fs: Any,
+    index: int,
+    span: Any,
+    plaintext: Any,
+    release: Any = None,
+    writers: Any = None,
+    existing: _ExistingSeen | None = None,
 ) -> tuple | Future:
     """Content id, reuse or encode, write: one chunk. ``release`` (a pinned export buffer's)
     runs as soon as the plaintext is no longer read: after encoding, before the write.
@@ -436,7 +457,7 @@ def _write_one_chunk(
             plaintext,
         )
         name = chunk_name(content_id)
-        if store.env.probe_before_create:
+        if store.env.probe_before_create or (existing is not None and existing.seen):
             ref = _existing_ref(store, ctx, fs, span, name, content_id)
             if ref is not None:
                 return fs.key, index, ref, False, span.plaintext_bytes
@@ -462,13 +483,26 @@ def _write_one_chunk(
         if release is not None:
             release()
     if writers is not None:
-        return writers.submit(_store_chunk, store, ctx, fs, index, span, name, content_id, body, chunk.ref)
-    return _store_chunk(store, ctx, fs, index, span, name, content_id, body, chunk.ref)
+        return writers.submit(_store_chunk, store, ctx, fs, index, span, name, content_id, body, chunk.ref, existing)
+    return _store_chunk(store, ctx, fs, index, span, name, content_id, body, chunk.ref, existing)
 
 
-def _store_chunk(store: PackStore, ctx: _Context, fs: Any, index: int, span: Any, name: str, content_id: bytes, body: Any, ref: ChunkRef) -> tuple:
+def _store_chunk(
+    store: PackStore,
+    ctx: _Context,
+    fs: Any,
+    index: int,
+    span: Any,
+    name: str,
+    content_id: bytes,
+    body: Any,
+    ref: ChunkRef,
+    existing: _ExistingSeen | None = None,
+) -> tuple:
     """Write one encoded chunk object (create-only, durable but for its directory entry)."""
     if not store.env.write(name, body, create_only=True, batch=True):
+        if existing is not None:
+            existing.seen = True
         # another publisher created it meanwhile: adopt theirs if it verifies, else replace
         theirs = _existing_ref(store, ctx, fs, span, name, content_id)
         if theirs is not None:
