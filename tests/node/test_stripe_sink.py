@@ -149,7 +149,7 @@ def test_a_refused_receiver_keeps_its_payload_buffers():
 
 
 def _in_place_setup(position: int):
-    from kvpack.node.wire import TileGeometry, tile_landed, tile_target
+    from kvpack.node.wire import TileGeometry
 
     engine = ArrayEngine(array_layout(layers=2, kv_heads=1, head_dim=4, dtype="f32"))
     geometry = TileGeometry.of(engine.layout)
@@ -161,10 +161,20 @@ def _in_place_setup(position: int):
 
     M.position = position
 
+    shared = _in_place_shared(engine, session, geometry)
+    sink = StripeSink(shared, 0)
+    sink.begin(M, 0)
+    return geometry, session, reference, shared, sink
+
+
+def _in_place_shared(engine, session, geometry) -> SharedInstall:
+    """One stripe's shared install that reads segments straight into the session's rows."""
+    from kvpack.node.wire import tile_landed, tile_target
+
     def open_install(manifest, cut):
         return session.begin_install(manifest.position, list(manifest.prompt_token_ids), engine.identity)
 
-    shared = SharedInstall(
+    return SharedInstall(
         1,
         open_install,
         lambda *_a: pytest.fail("an in-place install never scatters"),
@@ -172,9 +182,6 @@ def _in_place_setup(position: int):
         lambda install, seg: tile_target(install, geometry, seg),
         lambda install, seg: tile_landed(install, geometry, seg),
     )
-    sink = StripeSink(shared, 0)
-    sink.begin(M, 0)
-    return geometry, session, reference, shared, sink
 
 
 def _fill(target, payload: bytes) -> None:
@@ -238,7 +245,7 @@ def test_the_receiver_reads_segments_into_the_install_and_a_tampered_one_install
     into the install's rows, is never counted, and the refusal aborts the install."""
     from kvpack.handoff.receiver import Receiver, ReceiverConfig
     from kvpack.handoff.sender import Sender
-    from kvpack.node.wire import TileGeometry, pack_tile, tile_landed, tile_target
+    from kvpack.node.wire import TileGeometry, pack_tile
     from tests.handoff._support import KEY, KEY_ID, NOW, MemoryLedger, manifest
 
     engine = ArrayEngine(array_layout(layers=2, kv_heads=1, head_dim=4, dtype="f32"))
@@ -257,17 +264,7 @@ def test_the_receiver_reads_segments_into_the_install_and_a_tampered_one_install
     if tamper:
         stream[stream.index(payloads[1]) + 1000] ^= 0x01
 
-    def open_install(manifest, cut):
-        return session.begin_install(manifest.position, list(manifest.prompt_token_ids), engine.identity)
-
-    shared = SharedInstall(
-        1,
-        open_install,
-        lambda *_a: pytest.fail("an in-place install never scatters"),
-        time.monotonic() + 30,
-        lambda install, seg: tile_target(install, geometry, seg),
-        lambda install, seg: tile_landed(install, geometry, seg),
-    )
+    shared = _in_place_shared(engine, session, geometry)
     sink = StripeSink(shared, 0)
     ledger = MemoryLedger()
     with ThreadPoolExecutor(2) as pool:
