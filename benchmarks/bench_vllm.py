@@ -15,6 +15,10 @@ block size 128, ``max_tokens=1``: the wall time of one request is its TTFT):
   by side and are measured prompt by prompt in turn, the order rotating (idle engines wait
   on stdin): on a shared machine the load moves over minutes, and one connector after the
   other gave the last one the quietest machine;
+* the first processes of no connector, kvpack and ExampleConnector (cold, then warm in
+  process) also run side by side, prompt by prompt in rotating order, so the cold overhead
+  ratio compares engines measured in the same minutes; LMCache's first process runs after
+  them (it needs its server);
 * ``none_own_prefix_cache``: no connector, the same prompt again without resetting vLLM's
   own prefix cache: vLLM's floor for a prompt whose whole blocks are cached (it computes the
   tokens past the last full block; LMCache, which stores whole 256-token chunks, computes
@@ -119,6 +123,52 @@ def run_connector(
                 firsts[n].add((i, first))
     finally:
         eng.stop()
+
+
+def run_first_interleaved(variants: list[tuple[str, dict, str | None]], prompts: dict, logs: str, core: int, results: dict, firsts: dict) -> None:
+    """The first process of no connector, kvpack and ExampleConnector, side by side: prompt by
+    prompt in turn, the order rotating, each engine measures the prompt cold and then again
+    (``none``: with vLLM's own prefix cache kept, its floor; a connector: its cache reset, so
+    the reuse is the connector's; kvpack only after its asynchronous save committed). The cold
+    overhead goal compares kvpack's cold with no connector's, so both are measured in the same
+    minutes: measured one engine after the other, load moving over minutes made that ratio
+    swing from 0.9 to 1.65 between runs of the same code."""
+    from kvpack.integrations.vllm.prefix import save_cuts
+    from kvpack.testing.vllm_harness import Engine, stop_all
+
+    engines = {name: Engine(cfg, os.path.join(logs, f"{name}-1.log"), core=core, python=python).start() for name, cfg, python in variants}
+    stores = {name: cfg.get("extra", {}).get("kvpack.store") for name, cfg, _ in variants}
+    saved = dict.fromkeys(engines, 0)
+    try:
+        # warm-up (the first forward costs), on a prompt sharing no prefix with the measured ones
+        warm = prompts[min(prompts)][0][:300][::-1]
+        for name, eng in engines.items():
+            eng.generate([warm], max_tokens=1)
+            if stores[name] is not None:
+                saved[name] = len(save_cuts(len(warm), 0))  # 256-aligned cuts and the tail cut
+                wait_saved(stores[name], saved[name])
+        names = list(engines)
+        turn = 0
+        for n, ps in prompts.items():
+            for i, p in enumerate(ps):
+                for name in names[turn % len(names) :] + names[: turn % len(names)]:
+                    t, first = ttft(engines[name], p, name)
+                    results[n][f"{name}_cold"].append(t)
+                    firsts[n].add((i, first))
+                    if name == "none":
+                        (res,) = engines[name].generate([p], max_tokens=1, reset_prefix_cache=False)  # vLLM's own cache holds p's blocks
+                        results[n]["none_own_prefix_cache"].append(res["wall_s"])
+                        firsts[n].add((i, res["tokens"][0]))
+                        continue
+                    if stores[name] is not None:
+                        saved[name] += len(save_cuts(len(p), 0))  # no two prompts share a 256-token prefix
+                        wait_saved(stores[name], saved[name])
+                    t, first = ttft(engines[name], p, name)
+                    results[n][f"{name}_warm_in_process"].append(t)
+                    firsts[n].add((i, first))
+                turn += 1
+    finally:
+        stop_all(*engines.values())
 
 
 def run_fresh_interleaved(variants: list[tuple[str, dict, str | None]], prompts: dict, logs: str, core: int, results: dict, firsts: dict) -> None:
@@ -236,6 +286,7 @@ def summary_line(n: int, results: dict, firsts: dict, *, repeat: int, core: int,
             "kvpack_fresh_over_lmcache_fresh": ratio("kvpack_warm_fresh_process", "lmcache_warm_fresh_process"),
         },
         "goal": {"cold_overhead_at_most": 1.10, "fresh_vs_example_at_most": 1.0, "fresh_vs_lmcache_below": 1.0},
+        "first_process_order": "none, kvpack and ExampleConnector side by side, cold then again, prompt by prompt in rotating order (LMCache after them: its server)",
         "fresh_process_order": "connectors' second processes side by side, measured prompt by prompt in rotating order",
         "first_tokens_equal": len(firsts[n]) == len({i for i, _ in firsts[n]}),  # one first token per prompt
         "kvpack_fresh_process_loads": results.get("_kvpack_fresh_loads"),
@@ -265,7 +316,7 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from kvpack.testing.vllm_harness import Engine, vllm_python
+    from kvpack.testing.vllm_harness import vllm_python
 
     if vllm_python() is None:
         print(json.dumps({"bench": "vllm", "skipped": "vLLM is not installed (scripts/install.sh; or KVPACK_VLLM_PYTHON)"}))
@@ -296,30 +347,17 @@ def main() -> None:
             results[n][key] = []
     firsts: dict = {n: set() for n in lengths}
 
-    eng = Engine({**base, "connector": None}, os.path.join(work, "none.log"), core=args.core).start()
-    try:
-        eng.generate([prompts[lengths[0]][0][:300]], max_tokens=1)
-        for n, ps in prompts.items():
-            for i, p in enumerate(ps):
-                t, first = ttft(eng, p, "none")
-                results[n]["none_cold"].append(t)
-                firsts[n].add((i, first))
-                (res,) = eng.generate([p], max_tokens=1, reset_prefix_cache=False)  # vLLM's own cache holds p's blocks
-                results[n]["none_own_prefix_cache"].append(res["wall_s"])
-                firsts[n].add((i, res["tokens"][0]))
-    finally:
-        eng.stop()
-
     store = os.path.join(work, "kvpack-store")
     kvpack_cfg = {**base, "connector": "kvpack", "extra": {"kvpack.store": store}}
+    first: list[tuple[str, dict, str | None]] = [("none", {**base, "connector": None}, None), ("kvpack", kvpack_cfg, None)]
     fresh: list[tuple[str, dict, str | None]] = [("kvpack", kvpack_cfg, None)]
-    run_connector("kvpack", lambda: kvpack_cfg, prompts, work, args.core, results, firsts, store_dir=store)
     if not args.skip_example:
         shared = os.path.join(work, "example-store")
         os.makedirs(shared, exist_ok=True)
         example_cfg = {**base, "connector": "example", "extra": {"shared_storage_path": shared}}
-        run_connector("example", lambda: example_cfg, prompts, work, args.core, results, firsts)
+        first.append(("example", example_cfg, None))
         fresh.append(("example", example_cfg, None))
+    run_first_interleaved(first, prompts, work, args.core, results, firsts)
 
     lmcache_note = "not measured: run with --lmcache-python (a separate environment with vLLM and lmcache==0.5.6)"
     server = LMCacheServer(args.lmcache_python, work, args.core) if args.lmcache_python else None
