@@ -125,6 +125,17 @@ def run_connector(
         eng.stop()
 
 
+def in_turns(prompts: dict[int, list[list[int]]], names: list[str]):
+    """(length, index, prompt, engine name) for every prompt and engine, the engines' order
+    rotating by one per prompt, so none of them is always measured first or last."""
+    turn = 0
+    for n, ps in prompts.items():
+        for i, p in enumerate(ps):
+            for name in names[turn % len(names) :] + names[: turn % len(names)]:
+                yield n, i, p, name
+            turn += 1
+
+
 def run_first_interleaved(variants: list[tuple[str, dict, str | None]], prompts: dict, logs: str, core: int, results: dict, firsts: dict) -> None:
     """The first process of no connector, kvpack and ExampleConnector, side by side: prompt by
     prompt in turn, the order rotating, each engine measures the prompt cold and then again
@@ -147,26 +158,21 @@ def run_first_interleaved(variants: list[tuple[str, dict, str | None]], prompts:
             if stores[name] is not None:
                 saved[name] = len(save_cuts(len(warm), 0))  # 256-aligned cuts and the tail cut
                 wait_saved(stores[name], saved[name])
-        names = list(engines)
-        turn = 0
-        for n, ps in prompts.items():
-            for i, p in enumerate(ps):
-                for name in names[turn % len(names) :] + names[: turn % len(names)]:
-                    t, first = ttft(engines[name], p, name)
-                    results[n][f"{name}_cold"].append(t)
-                    firsts[n].add((i, first))
-                    if name == "none":
-                        (res,) = engines[name].generate([p], max_tokens=1, reset_prefix_cache=False)  # vLLM's own cache holds p's blocks
-                        results[n]["none_own_prefix_cache"].append(res["wall_s"])
-                        firsts[n].add((i, res["tokens"][0]))
-                        continue
-                    if stores[name] is not None:
-                        saved[name] += len(save_cuts(len(p), 0))  # no two prompts share a 256-token prefix
-                        wait_saved(stores[name], saved[name])
-                    t, first = ttft(engines[name], p, name)
-                    results[n][f"{name}_warm_in_process"].append(t)
-                    firsts[n].add((i, first))
-                turn += 1
+        for n, i, p, name in in_turns(prompts, list(engines)):
+            t, first = ttft(engines[name], p, name)
+            results[n][f"{name}_cold"].append(t)
+            firsts[n].add((i, first))
+            if name == "none":
+                (res,) = engines[name].generate([p], max_tokens=1, reset_prefix_cache=False)  # vLLM's own cache holds p's blocks
+                results[n]["none_own_prefix_cache"].append(res["wall_s"])
+                firsts[n].add((i, res["tokens"][0]))
+                continue
+            if stores[name] is not None:
+                saved[name] += len(save_cuts(len(p), 0))  # no two prompts share a 256-token prefix
+                wait_saved(stores[name], saved[name])
+            t, first = ttft(engines[name], p, name)
+            results[n][f"{name}_warm_in_process"].append(t)
+            firsts[n].add((i, first))
     finally:
         stop_all(*engines.values())
 
@@ -183,15 +189,10 @@ def run_fresh_interleaved(variants: list[tuple[str, dict, str | None]], prompts:
     try:
         for eng in engines.values():
             eng.generate([prompts[min(prompts)][0][:300][::-1][1:]], max_tokens=1)  # warm-up, a prompt never stored
-        names = list(engines)
-        turn = 0
-        for n, ps in prompts.items():
-            for i, p in enumerate(ps):
-                for name in names[turn % len(names) :] + names[: turn % len(names)]:
-                    t, first = ttft(engines[name], p, name)
-                    results[n][f"{name}_warm_fresh_process"].append(t)
-                    firsts[n].add((i, first))
-                turn += 1
+        for n, i, p, name in in_turns(prompts, list(engines)):
+            t, first = ttft(engines[name], p, name)
+            results[n][f"{name}_warm_fresh_process"].append(t)
+            firsts[n].add((i, first))
         if "kvpack" in engines:
             m = engines["kvpack"].metrics()
             results["_kvpack_fresh_loads"] = m.get("kvpack_loads", 0)
