@@ -70,16 +70,22 @@ def test_gather_reads_k_then_v_rows_of_each_block_and_head():
     assert torch.equal(rows[0], k) and torch.equal(rows[1], v)
 
 
+def _draw_block_range(data) -> tuple[list[int], int, int]:
+    """1-5 distinct blocks of a 16-block cache, a block-aligned start inside them and a row
+    count that fits: (block ids, first row, rows)."""
+    nblocks = data.draw(st.integers(1, 5))
+    block_ids = data.draw(st.lists(st.integers(0, 15), min_size=nblocks, max_size=nblocks, unique=True))
+    start = BLOCK * data.draw(st.integers(0, nblocks - 1))
+    return block_ids, start, data.draw(st.integers(1, nblocks * BLOCK - start))
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.data())
 def test_scatter_then_gather_round_trips_and_touches_nothing_else(data):
     caches = paged_caches(num_blocks=16, seed=1)
     paged = PagedKV(caches)
     before = {n: t.clone() for n, t in caches.items()}
-    nblocks = data.draw(st.integers(1, 5))
-    block_ids = data.draw(st.lists(st.integers(0, 15), min_size=nblocks, max_size=nblocks, unique=True))
-    start = BLOCK * data.draw(st.integers(0, nblocks - 1))
-    n = data.draw(st.integers(1, nblocks * BLOCK - start))
+    block_ids, start, n = _draw_block_range(data)
     layer = data.draw(st.integers(0, LAYERS - 1))
     rows = torch.randn((2, n, HEADS * HEAD_DIM))
     paged.scatter(layer, block_ids, start, rows)
@@ -111,10 +117,7 @@ def test_staged_pieces_in_any_order_commit_exactly_the_scatter_of_the_whole(data
     ref_caches = {n: t.clone() for n, t in caches.items()}
     reference = PagedKV(ref_caches)
     before = {n: t.clone() for n, t in caches.items()}
-    nblocks = data.draw(st.integers(1, 5))
-    block_ids = data.draw(st.lists(st.integers(0, 15), min_size=nblocks, max_size=nblocks, unique=True))
-    start = BLOCK * data.draw(st.integers(0, nblocks - 1))
-    n = data.draw(st.integers(1, nblocks * BLOCK - start))
+    block_ids, start, n = _draw_block_range(data)
     cuts = sorted(data.draw(st.sets(st.integers(1, n - 1), max_size=4)) if n > 1 else set())
     pieces = list(zip([0, *cuts], [*cuts, n]))
     rows = {layer: torch.randn((2, n, HEADS * HEAD_DIM)) for layer in range(LAYERS)}
