@@ -10,7 +10,8 @@ script measures exactly that on the device, for the 8B-shaped random model of be
 * for each chunk size C it prefills the same prompt on the absolute C grid (the adapter's own
   ``prefill``, with ``prefill_chunk_tokens`` set past its 256 check for this experiment only)
   and compares every plane and the logits row with the 256-grid session, bit for bit;
-* ``one_forward_s`` is the whole prompt as one forward (the recompute peer of bench_gpu).
+* ``one_forward_s`` is the whole prompt as one forward (the recompute peer of bench_gpu);
+* ``host_issue_s`` is when the host had issued the last chunk (before the final synchronise).
 
 One JSON line per (tokens, chunk): prefill seconds, ratio to one forward, and
 ``bit_identical_to_256`` with the first differing layer if any. Evidence, not proof: kernel
@@ -102,9 +103,13 @@ def main(argv: list[str] | None = None) -> int:
             sync()
             t0 = time.perf_counter()
             s.prefill(tokens)
+            queued = time.perf_counter() - t0
             sync()
             dt = time.perf_counter() - t0
             line = {"bench": "diag_prefill_chunks", "tokens": n, "chunk": c, "prefill_s": round(dt, 4), "one_forward_s": round(one_s, 4)}
+            # the host's time to issue every chunk: close to prefill_s means the GPU waited
+            # for launches (per-chunk Python and kernel launch overhead), not the reverse
+            line["host_issue_s"] = round(queued, 4)
             line["prefill_over_one_forward"] = round(dt / one_s, 3)
             if base is None:
                 base, base_logits, base_session = _planes(s, torch), s.last_logits, s
