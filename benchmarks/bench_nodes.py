@@ -292,6 +292,11 @@ def bench_handoff(args, sock: str, engine, out: str | None, pids: list[int] | No
     rng = random.Random(11)
     prompt = [rng.randrange(1, 60000) for _ in range(tokens)]
     _request(sock, prompt + [5, 6], 1)  # warm-up: the producer keeps the prompt resident
+    # a second full transfer: the decode node's install alternates between two plane sets
+    # (the new install is filled while the live session still holds the last one); the
+    # arrays engine recycles both from then on (kvpack.engine.arrays.PlanePool), as a
+    # serving engine's preallocated KV memory -- no fresh pages faulted in per transfer
+    _request(sock, prompt + [8, 6], 1)
     lines = []
     for k, stripes in enumerate(args.stripes_list):
         runs = []

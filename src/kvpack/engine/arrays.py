@@ -11,6 +11,8 @@ hold the same bytes, whatever the chunking.
 from __future__ import annotations
 
 import hashlib
+import os
+import sys
 import threading
 from collections.abc import Iterable, Sequence
 
@@ -37,13 +39,97 @@ def array_layout(
     return CacheLayout(tuple(specs), vocab_size=vocab)
 
 
+def _default_pool_bytes() -> int:
+    """A quarter of physical memory (0 where the platform does not say)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+class PlanePool:
+    """Install planes recycled from installs nothing references any more.
+
+    Why it exists: a fresh ``np.empty`` of a large plane is fresh pages from the kernel, and
+    the first write to each page (the TLS decryption of a handoff landing in the install's
+    rows) faults and zero-fills it: on the 2-core dev box ``clear_page`` was 49 % of the
+    receiver daemon's samples during a 512 MiB handoff (perf, docs/bench/nodes_profile.md,
+    round 4), on the connection's thread. A serving engine allocates its KV memory once (a
+    block pool); this pool gives the arrays engine the same steady state: an install's plane
+    is carved from a buffer an earlier install used, once nothing holds a view of it.
+
+    Recycling is decided by reference count: the pool keeps every buffer (*root*) it made and
+    reuses one only while the pool's own list is its sole referrer. Every NumPy view, slice,
+    ``memoryview`` or ``np.frombuffer`` of a plane keeps a reference to its root, so a root in
+    use by a session, a resident tier, an export or a payload target is never handed out
+    again; bytes are never rewritten under a reader. Reused rows hold an earlier session's
+    bytes, exactly as ``np.empty`` promises nothing: an install refuses to commit unless
+    every needed row was written, and spare rows are written before they are read.
+
+    Bounded: roots total at most ``limit_bytes`` (then planes are plain ``np.empty``);
+    planes under ``min_bytes`` are never pooled. Sizes are rounded up to 8 classes per
+    power of two (at most 12.5 % slack) so installs of similar length share roots.
+    """
+
+    def __init__(self, limit_bytes: int, min_bytes: int = 1 << 20) -> None:
+        self.limit_bytes = max(0, int(limit_bytes))
+        self.min_bytes = max(1, int(min_bytes))
+        self._lock = threading.Lock()
+        self._roots: dict[int, list[np.ndarray]] = {}
+        self.held_bytes = 0
+        self.reused = 0  # planes carved from a recycled root
+        self.made = 0  # roots allocated
+
+    @staticmethod
+    def size_class(nbytes: int) -> int:
+        step = 1 << max(0, nbytes.bit_length() - 4)
+        return -(-nbytes // step) * step
+
+    def empty(self, shape: tuple[int, int]) -> np.ndarray:
+        """An uninitialised uint8 array of ``shape`` (rows, row bytes)."""
+        rows, width = shape
+        nbytes = rows * width
+        if nbytes < self.min_bytes or self.limit_bytes == 0:
+            return np.empty(shape, np.uint8)
+        size = self.size_class(nbytes)
+        with self._lock:
+            roots = self._roots.setdefault(size, [])
+            for i in range(len(roots)):
+                # 2: the list's reference and getrefcount's argument -- no view exists
+                if sys.getrefcount(roots[i]) == 2:
+                    self.reused += 1
+                    return roots[i][:nbytes].reshape(shape)
+            if self.held_bytes + size > self.limit_bytes:
+                return np.empty(shape, np.uint8)
+            root = np.empty(size, np.uint8)
+            roots.append(root)
+            self.held_bytes += size
+            self.made += 1
+            return root[:nbytes].reshape(shape)
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {"held_bytes": self.held_bytes, "roots": sum(len(r) for r in self._roots.values()), "made": self.made, "reused": self.reused}
+
+
 class ArrayEngine:
     #: The chunk grid callers use for aligned prefill (the rows do not depend on chunking).
     prefill_chunk_tokens = 256
 
-    def __init__(self, layout: CacheLayout, *, name: str = "arrays", scalars: dict[str, float] | None = None, max_context: int = 1 << 20) -> None:
+    def __init__(
+        self,
+        layout: CacheLayout,
+        *,
+        name: str = "arrays",
+        scalars: dict[str, float] | None = None,
+        max_context: int = 1 << 20,
+        plane_pool_bytes: int | None = None,
+    ) -> None:
         self.layout = layout
         self.max_context = max_context
+        #: install planes are recycled through this (``plane_pool_bytes``: default a quarter
+        #: of physical memory; 0 turns recycling off)
+        self.planes = PlanePool(_default_pool_bytes() if plane_pool_bytes is None else plane_pool_bytes)
         self.identity = EngineIdentity(
             model_name=name,
             weights_digest=hashlib.sha256(name.encode()).hexdigest(),
@@ -378,7 +464,7 @@ class ArrayInstall(InstallContext):
             with self._alloc:
                 buf = self._planes.get(key)
                 if buf is None:
-                    buf = self._planes[key] = np.empty(self._shapes[key], np.uint8)
+                    buf = self._planes[key] = self.session.engine.planes.empty(self._shapes[key])
         return buf
 
     def share_rows(self, layer: int, role: str, start: int, data) -> bool:
@@ -448,6 +534,10 @@ class ArrayInstall(InstallContext):
         planes = {key: self._plane(key) for key in self._shapes if key not in self._shared}
         self.session._adopt(planes, self.tokens, self._logits, {key: (head, spare[key]) for key, head in self._shared.items()})
         self.state = "committed"
+        # the session owns the planes now: a committed install that something still holds
+        # (a transfer's record) must not keep them alive once the session moves on
+        self._planes = {}
+        self._shared = {}
 
     def abort(self) -> None:
         if self.state == "open":
@@ -458,4 +548,4 @@ class ArrayInstall(InstallContext):
             self._shared = {}
 
 
-__all__ = ["ArrayEngine", "ArraySession", "ArrayInstall", "array_layout", "LAYER_WINDOWED"]
+__all__ = ["ArrayEngine", "ArraySession", "ArrayInstall", "PlanePool", "array_layout", "LAYER_WINDOWED"]
