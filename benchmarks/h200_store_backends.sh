@@ -22,8 +22,12 @@
 #   $OUT (default ./out) receives store_backends.jsonl (the line), store_backends.log (the
 #   benchmark's stderr, the weed log tail on failure) and env.txt.
 #   $KVPACK_STORE_BENCH_ARGS replaces the benchmark's size arguments (default
-#   "--tokens 65536 --threads 16 --repeat 3": 1 GiB, 4 MiB chunks); a local check of the
-#   script: OUT=/tmp/x KVPACK_STORE_BENCH_ARGS="--tokens 1024 --threads 2 --repeat 1" bash ...
+#   "--tokens 65536 --threads 16 --repeat 3": 1 GiB, 4 MiB chunks). Then, in the time left
+#   of $KVPACK_STORE_BUDGET_S (570; $KVPACK_STORE_DIAG_S = 90 s are kept for it),
+#   benchmarks/diag_restore_install.py ($KVPACK_STORE_DIAG_ARGS, default "--tokens 65536
+#   --threads 4,8,16 --restores 3") -> diag_restore_install.jsonl. A local check of the
+#   script: OUT=/tmp/x KVPACK_STORE_BENCH_ARGS="--tokens 1024 --threads 2 --repeat 1"
+#   KVPACK_STORE_DIAG_ARGS="--tokens 1024 --threads 2 --restores 1" bash ...
 #
 # Device tool, from the main checkout:
 #   run(command="bash benchmarks/h200_store_backends.sh .perf/weedxz", carry=[".perf/weedxz"], timeout_s=600)
@@ -33,6 +37,11 @@ OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
 WEED_DIR=${1:-${KVPACK_WEED_DIR:-.perf/weedxz}}
 BENCH_ARGS=${KVPACK_STORE_BENCH_ARGS:---tokens 65536 --threads 16 --repeat 3}
+DIAG_ARGS=${KVPACK_STORE_DIAG_ARGS:---tokens 65536 --threads 4,8,16 --restores 3}
+# seconds for the whole script (the device call's limit is 600) and those kept for the diag
+BUDGET=${KVPACK_STORE_BUDGET_S:-570}
+DIAG_S=${KVPACK_STORE_DIAG_S:-90}
+T0=$(date +%s)
 log() { echo "[$(date -u +%H:%M:%S)] $*" | tee -a "$OUT/store_backends.log"; }
 
 if [ ! -f "$WEED_DIR/weed.xz" ]; then
@@ -87,7 +96,7 @@ mkdir -p "$SCRATCH"
 trap 'rm -rf "$SCRATCH"' EXIT
 log "bench_store_backends --backends posix,s3 $BENCH_ARGS"
 # shellcheck disable=SC2086
-TMPDIR=$SCRATCH timeout "${KVPACK_STORE_BENCH_TIMEOUT_S:-560}" python3 benchmarks/bench_store_backends.py --backends posix,s3 $BENCH_ARGS \
+TMPDIR=$SCRATCH timeout "$((BUDGET - DIAG_S - ($(date +%s) - T0)))" python3 benchmarks/bench_store_backends.py --backends posix,s3 $BENCH_ARGS \
     >"$OUT/store_backends.jsonl" 2>>"$OUT/store_backends.log"
 rc=$?
 log "bench_store_backends rc=$rc"
@@ -96,4 +105,14 @@ if [ "$rc" != 0 ]; then
     find "$SCRATCH" -name weed.log -exec tail -n 40 {} \; >>"$OUT/store_backends.log" 2>/dev/null
 fi
 cut -c1-3000 "$OUT/store_backends.jsonl"
+
+# the warm restore by thread count, rows installed by the workers vs by the restoring thread
+left=$((BUDGET - ($(date +%s) - T0)))
+if [ "$left" -gt 20 ]; then
+    log "diag_restore_install $DIAG_ARGS (${left}s left)"
+    # shellcheck disable=SC2086
+    timeout "$left" python3 benchmarks/diag_restore_install.py --dir "$SCRATCH" $DIAG_ARGS >"$OUT/diag_restore_install.jsonl" 2>>"$OUT/store_backends.log" ||
+        log "diag_restore_install rc=$?"
+    cat "$OUT/diag_restore_install.jsonl"
+fi
 exit "$rc"

@@ -46,10 +46,14 @@ def _captured_jobs(monkeypatch) -> list:
     return jobs
 
 
-@pytest.mark.parametrize("concurrent", [True, False])
-def test_rows_are_installed_by_the_workers_only_when_the_install_allows_it(tmp_path, monkeypatch, concurrent):
+@pytest.mark.parametrize(
+    "concurrent, worker_installs, workers, on_workers",
+    [(True, True, 4, True), (True, True, 3, True), (False, True, 4, False), (True, False, 4, False), (True, True, 2, False), (True, True, 1, False)],
+)
+def test_rows_are_installed_by_the_workers_only_when_the_install_allows_it(tmp_path, monkeypatch, concurrent, worker_installs, workers, on_workers):
     store = new_store(tmp_path)
-    store.workers = 4
+    store.workers = workers
+    store.tuning.worker_installs = worker_installs
     eng = engine()
     src = session_with(eng, TOKENS, store)
     recorder = CallRecorder()
@@ -61,7 +65,7 @@ def test_rows_are_installed_by_the_workers_only_when_the_install_allows_it(tmp_p
     assert dst.cache_digest() == src.cache_digest()
     assert len(recorder.threads) == len(jobs) > 8
     on_main = [t is threading.main_thread() for t in recorder.threads]
-    assert on_main == [not concurrent] * len(jobs)
+    assert on_main == [not on_workers] * len(jobs)
 
 
 @pytest.mark.parametrize("concurrent", [True, False])

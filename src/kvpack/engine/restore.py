@@ -124,6 +124,11 @@ class RestoreTuning:
     #: object, format.chunk.decode_chunk_one_pass); 0: one pass per hash. Smaller blocks stay
     #: in cache, larger ones take the GIL less often (many threads)
     one_pass_block: int = field(default_factory=lambda: int(os.environ.get("KVPACK_ONE_PASS_BLOCK", str(_one_pass_default()))))
+    #: host verification: the workers install each verified chunk's rows themselves when the
+    #: install takes disjoint rows from several threads (``concurrent_row_writes``); False:
+    #: the restoring thread installs every chunk (the A/B of benchmarks/diag_restore_install.py).
+    #: With one or two workers the restoring thread installs either way
+    worker_installs: bool = True
 
 
 @dataclass
@@ -269,8 +274,8 @@ def _row_bytes(layout: Any, job: ChunkJob) -> tuple[int, int]:
 class HostPipeline:
     """Workers read and verify; the rows are installed in job order (bounded window) by this
     thread, or -- when the install takes disjoint rows from several threads at once
-    (``concurrent_row_writes``) -- by the worker that verified the chunk, right after its
-    checks passed, so the install copy scales with the workers instead of running on one
+    (``concurrent_row_writes``) and more than two workers run -- by the worker that verified
+    the chunk, right after its checks passed, so the install copy scales with the workers instead of running on one
     thread (on the 16-core H200 host the warm restore ran at 0.32 of "read + both hashes"
     with the copy here). Refusals are still raised in job order here (the first refused job
     in job order is the refusal), and this returns only after every worker stopped, so
@@ -283,7 +288,14 @@ class HostPipeline:
         # uploaded by the workers; this thread only queues the device-side copies.
         self.stager = install.stager(2 * tuning.workers + 2) if isinstance(install, PlaneStaging) else None
         self.buffers: ReadBuffers | None = None
-        self.install_in_workers = self.stager is None and getattr(install, "concurrent_row_writes", False) is True
+        # Up to two workers the restoring thread's copies keep up with them (one thread copies
+        # ~2-3 GB/s into fresh pages, a worker verifies ~0.7 GB/s: two hashes at ~1.5 GB/s)
+        # and run beside them as one more thread (2-core box, 128 MiB warm restores: 0.41 vs
+        # 0.29 GB/s at one worker, 0.37 vs 0.33 and 0.55 vs 0.49 at two); from three workers
+        # up that one thread is what bounds the restore (2.27 GB/s at 16 on the H200 host)
+        self.install_in_workers = (
+            tuning.worker_installs and tuning.workers > 2 and self.stager is None and getattr(install, "concurrent_row_writes", False) is True
+        )
 
     def verify_one(self, job: ChunkJob) -> Any:
         """``(plaintext view, read buffer)``; None when this worker installed the rows
