@@ -357,7 +357,11 @@ class HostPipeline:
             self.buffers.give(result[1])
 
     def run(self, jobs: list[ChunkJob]) -> PipelineResult:
-        window = 2 * self.tuning.workers
+        # The window bounds what finished results hold (a read buffer or a staging slot each)
+        # until this thread installs them; a chunk its worker installed holds nothing, so
+        # then every job is queued at once and the workers never wait for this thread (only
+        # the jobs running hold buffers; after a refusal the queued ones are cancelled)
+        window = len(jobs) if self.install_in_workers else 2 * self.tuning.workers
         if jobs and self.stager is None:
             self.buffers = ReadBuffers(max(job.ref.object_bytes for job in jobs))
         pending: deque[tuple[Future, ChunkJob]] = deque()
