@@ -288,11 +288,12 @@ class HostPipeline:
         # uploaded by the workers; this thread only queues the device-side copies.
         self.stager = install.stager(2 * tuning.workers + 2) if isinstance(install, PlaneStaging) else None
         self.buffers: ReadBuffers | None = None
-        # Up to two workers the restoring thread's copies keep up with them (one thread copies
-        # ~2-3 GB/s into fresh pages, a worker verifies ~0.7 GB/s: two hashes at ~1.5 GB/s)
-        # and run beside them as one more thread (2-core box, 128 MiB warm restores: 0.41 vs
-        # 0.29 GB/s at one worker, 0.37 vs 0.33 and 0.55 vs 0.49 at two); from three workers
-        # up that one thread is what bounds the restore (2.27 GB/s at 16 on the H200 host)
+        # Up to two workers the restoring thread's copies keep up with them (a 4 MiB copy
+        # takes 0.3-0.6 ms on the 2-core box, a worker's verification of it ~5 ms) and run
+        # beside them as one more thread (128 MiB warm restores there: 0.41 vs 0.29 GB/s at
+        # one worker, 0.37 vs 0.33 and 0.55 vs 0.49 at two); with many workers that one
+        # thread -- the copies and its GIL turns -- paced the restore (2.27 GB/s at 16 on the
+        # H200 host against 7.04 for read + both hashes)
         self.install_in_workers = (
             tuning.worker_installs and tuning.workers > 2 and self.stager is None and getattr(install, "concurrent_row_writes", False) is True
         )
