@@ -3,12 +3,17 @@
 Builds the 8B-shape f16 Llama engine of bench_gpu, installs a *random* cache of N tokens
 (no prefill: the restore does not care what the rows mean, and a 131k prefill costs device
 time), saves it with each ``--chunk-mib`` store chunk size, then restores it ``--repeat``
-times per variant (the default pipeline, the calibrated host tail, other worker counts,
-other ring sizes). One JSON line per (tokens, chunk size, variant) with the restore times,
-the median run's phases (``device_*_s``: where the installing thread waited) and the save.
-Every first restore of a store is checked bit for bit against the installed cache.
+times per variant (the default pipeline, the earlier per-chunk read submission, the
+calibrated host tail, other worker counts, other ring sizes), the variants of one store
+interleaved round by round so they share the machine's minutes. One JSON line per (tokens,
+chunk size, variant) with the restore times, the median run's phases (``device_*_s``: where
+the installing thread waited; ``device_host_tail``: chunks verified on the host) and the
+save. The first restore of every variant is checked bit for bit against the installed cache
+(and not timed).
 
     python3 benchmarks/profile_gpu_restore.py --tokens 32768,131072 --chunk-mib 1,2
+    python3 benchmarks/profile_gpu_restore.py --tokens 8192,32768,131072 --chunk-mib 2 \
+        --variants items,default,host_tail,items+host_tail   # old vs new submission, tail
 """
 
 from __future__ import annotations
@@ -42,6 +47,40 @@ def random_session(engine, n: int, seed: int):
     return s, tokens
 
 
+def configure(store, variant: str, workers: int, defaults: tuple) -> None:
+    """Set ``store`` (and the ring's stream count) to ``variant`` (see --variants)."""
+    from kvpack.engine import device_verify
+
+    store.workers, store.device_host_tail, store.device_waves = workers, 0, defaults[0]
+    store.read_processes = os.environ.get("KVPACK_READ_PROCESSES", "auto")  # "always": a CPU dry run uses the processes too
+    store.device_staging_bytes = defaults[1]
+    store.tuning.read_submit, store.tuning.device_host_tail_scale = "table", 1.0
+    device_verify.MAX_STREAMS, device_verify.DIGESTS = defaults[2], defaults[3]
+    for part in variant.split("+"):  # e.g. waves_8+host_tail
+        if part == "threads":
+            store.read_processes = "never"
+        elif part == "mapped":
+            device_verify.DIGESTS = "mapped"
+        elif part == "items":
+            store.tuning.read_submit = "items"
+        elif part == "host_tail":
+            store.device_host_tail = None
+        elif part.startswith("host_tail_"):
+            store.device_host_tail = int(part.split("_")[2])
+        elif part.startswith("tail_scale_"):
+            store.device_host_tail, store.tuning.device_host_tail_scale = None, float(part.split("_")[2])
+        elif part.startswith("workers_"):
+            store.workers = int(part.split("_")[1])
+        elif part.startswith("waves_"):
+            store.device_waves = int(part.split("_")[1])
+        elif part.startswith("staging_mib_"):
+            store.device_staging_bytes = int(part.split("_")[2]) << 20
+        elif part.startswith("streams_"):
+            device_verify.MAX_STREAMS = int(part.split("_")[1])
+        elif part != "default":
+            raise SystemExit(f"unknown variant part {part!r}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="32768")
@@ -51,8 +90,10 @@ def main() -> None:
     ap.add_argument("--store-dir", default=None)
     ap.add_argument(
         "--variants",
-        default="default,threads,host_tail,workers_8",
-        help="comma-separated; each is default or parts joined by '+': threads (no reader processes), host_tail, workers_N, waves_N, staging_mib_N, streams_N (a new ring geometry pins its staging once)",
+        default="items,default,host_tail,items+host_tail",
+        help="comma-separated; each is default or parts joined by '+': items (per-chunk read batches to the least busy reader, the "
+        "protocol before wave slices), mapped (the kernel writes digests into pinned host rows: no digest copy), threads (no reader processes), host_tail (calibrated), host_tail_N (N chunks), tail_scale_X "
+        "(calibrated tail times X), workers_N, waves_N, staging_mib_N, streams_N (a new ring geometry pins its staging once)",
     )
     ap.add_argument("--out", default=None)
     ap.add_argument("--device", default="cuda")
@@ -109,41 +150,46 @@ def main() -> None:
             store.workers = args.workers
             save = store.save(s)
             hit = store.find_deepest(tokens, engine.layout, engine.ids())
-            checked = False
-            default_waves, default_staging, default_streams = store.device_waves, store.device_staging_bytes, device_verify.MAX_STREAMS
-            for variant in args.variants.split(","):
-                store.workers, store.device_host_tail, store.device_waves, store.read_processes = args.workers, 0, default_waves, "auto"
-                store.device_staging_bytes = default_staging
-                device_verify.MAX_STREAMS = default_streams
-                for part in variant.split("+"):  # e.g. waves_8+host_tail
-                    if part == "threads":
-                        store.read_processes = "never"
-                    elif part == "host_tail":
-                        store.device_host_tail = None
-                    elif part.startswith("workers_"):
-                        store.workers = int(part.split("_")[1])
-                    elif part.startswith("waves_"):
-                        store.device_waves = int(part.split("_")[1])
-                    elif part.startswith("staging_mib_"):
-                        store.device_staging_bytes = int(part.split("_")[2]) << 20
-                    elif part.startswith("streams_"):
-                        device_verify.MAX_STREAMS = int(part.split("_")[1])
-                    elif part != "default":
-                        raise SystemExit(f"unknown variant part {part!r}")
-                times, phases, hashed = [], [], None
-                for _ in range(args.repeat):
+            defaults = (store.device_waves, store.device_staging_bytes, device_verify.MAX_STREAMS, device_verify.DIGESTS)
+            variants = [v for v in args.variants.split(",") if v]
+            runs: dict[str, list] = {v: [] for v in variants}
+
+            failed: dict[str, str] = {}
+            for round_no in range(args.repeat + 1):  # round 0: each variant's first restore, checked, not timed
+                for variant in variants:
+                    if variant in failed:
+                        continue
+                    configure(store, variant, args.workers, defaults)
                     sync()
                     t0 = time.perf_counter()
                     r = engine.new_session()
-                    rep = store.restore(hit, r, tokens)
+                    try:  # an experimental variant that refuses is reported, the others still run
+                        rep = store.restore(hit, r, tokens)
+                    except Exception as exc:  # noqa: BLE001 - reported in its JSON line
+                        failed[variant] = f"{type(exc).__name__}: {exc}"
+                        continue
                     sync()
-                    times.append(time.perf_counter() - t0)
-                    phases.append(rep.phases)
-                    hashed = rep.hashed_on
-                    if not checked:
-                        assert planes_equal(torch, s, r), "restored cache differs"
-                        checked = True
+                    elapsed = time.perf_counter() - t0
+                    if round_no == 0:
+                        if not planes_equal(torch, s, r):
+                            failed[variant] = "restored cache differs"
+                    else:
+                        runs[variant].append((elapsed, rep.phases, rep.hashed_on))
                     del r
+            configure(store, "default", args.workers, defaults)
+            for variant, why in failed.items():
+                emit(
+                    {
+                        "bench": "profile_restore",
+                        "tokens": n,
+                        "chunk_bytes": store.chunk_bytes,
+                        "variant": variant,
+                        "error": why,
+                        "bit_identical": False if why == "restored cache differs" else None,
+                    }
+                )
+            for variant in [v for v in variants if v not in failed]:
+                times = [t for t, _p, _h in runs[variant]]
                 mid = sorted(range(len(times)), key=lambda i: times[i])[len(times) // 2]
                 emit(
                     {
@@ -152,10 +198,11 @@ def main() -> None:
                         "chunk_bytes": store.chunk_bytes,
                         "chunks": save.chunks_written,
                         "variant": variant,
+                        "bit_identical": True,
                         "restore_s": [round(t, 4) for t in times],
                         "median_s": round(statistics.median(times), 4),
-                        "phases": {k: round(v, 4) for k, v in phases[mid].items()},
-                        "hashed_on": hashed,
+                        "phases": {k: round(v, 4) for k, v in runs[variant][mid][1].items()},
+                        "hashed_on": runs[variant][mid][2],
                         "save_s": round(save.seconds, 3),
                         "save_object_gbps": round(save.bytes_written / save.seconds / 1e9, 3),
                         "kv_bytes": save.plaintext_bytes,

@@ -14,7 +14,7 @@ import pytest
 from kvpack.engine import device_verify
 from kvpack.errors import StoreError
 from kvpack.store import PackStore
-from kvpack.store.packstore import _EnvChunks
+from kvpack.store.packstore import _EnvChunks, chunk_name
 from kvpack.testing.faults import FaultyOps
 
 from .conftest import llama_engine, random_tokens
@@ -107,8 +107,10 @@ def test_refusals_match_the_reading_threads_and_install_nothing(eng, tmp_path, d
     assert reasons["always"].startswith("incomplete" if damage == "missing" else "corrupt")
 
 
-def test_a_dead_worker_fails_the_restore_and_is_replaced(eng, tmp_path, monkeypatch):
+@pytest.mark.parametrize("submit", ["table", "items"])
+def test_a_dead_worker_fails_the_restore_and_is_replaced(eng, tmp_path, monkeypatch, submit):
     s, tokens, store = _saved(eng, tmp_path, n=300, seed=4)
+    store.tuning.read_submit = submit
     # every worker exits as soon as it is told how to read: the batches it held fail
     monkeypatch.setattr(_EnvChunks, "worker_reader", lambda self: ("os", "_exit", (3,)))
     r = eng.new_session()
@@ -135,3 +137,70 @@ def test_a_fault_injecting_file_layer_keeps_the_reading_threads(eng, tmp_path):
     assert report.phases["device_read_processes"] == 0
     assert sum(1 for kind, path in ops.reads if "chunks" in path) == report.chunks_verified  # seen by the fault layer
     assert r.cache_digest() == s.cache_digest()
+
+
+def _job_refs(store, hit):
+    """The chunk refs of a one-pack cut in the order the restore reads them (its jobs)."""
+    return [ref for manifest in store.load_chain(hit.manifest_id) for _key, _span, ref in manifest.chunk_refs()]
+
+
+@pytest.mark.parametrize("submit", ["table", "items"])
+@pytest.mark.parametrize("tail", [0, 7])
+def test_both_submit_protocols_restore_bit_identically(eng, tmp_path, submit, tail):
+    """Wave slices (one compact table per worker per wave) and per-chunk batches give the
+    same restore; a host tail gets waves of its own after the device's."""
+    s, tokens, store = _saved(eng, tmp_path, n=500, seed=6)
+    store.tuning.read_submit = submit
+    store.device_host_tail = tail
+    r = eng.new_session()
+    hit = store.find_deepest(tokens, eng.layout, eng.ids())
+    report = store.restore(hit, r, tokens)
+    n = report.chunks_verified
+    assert n == len(_job_refs(store, hit)) > WAVES * WAVE_CHUNKS
+    assert report.hashed_on == {"device": n - tail, "host": tail}
+    assert report.phases["device_host_tail"] == tail
+    device_waves = -(-(n - tail) // WAVE_CHUNKS)
+    assert report.phases["device_waves"] == device_waves + -(-tail // WAVE_CHUNKS)  # no wave mixes the two
+    assert r.cache_digest() == s.cache_digest()
+    assert _ring()._free.qsize() == _ring().waves
+
+
+def test_wave_slices_report_what_host_verification_costs(eng, tmp_path):
+    """The workers time the chunks they verify completely: what sizes a calibrated tail."""
+    _s, tokens, store = _saved(eng, tmp_path, n=300, seed=7)
+    store.device_host_tail = 5
+    store.restore(store.find_deepest(tokens, eng.layout, eng.ids()), eng.new_session(), tokens)
+    pool = _ring().readers(2)
+    assert pool.timing[3] >= 5 * 4096 and pool.timing[1] > 0
+    assert pool.host_seconds_per_byte() == pool.timing[2] / pool.timing[3] > 0
+
+
+@pytest.mark.parametrize("damage", ["payload", "padding", "header"])
+@pytest.mark.parametrize("where", ["device_wave", "host_tail"])
+def test_a_tampered_chunk_refuses_in_an_ordered_wave_and_in_the_host_tail(eng, tmp_path, where, damage):
+    """One damaged chunk, in the second device wave or in the host tail: every way of
+    reading (threads; processes with batches or wave slices) refuses it with the same first
+    refusal and installs nothing."""
+    _s, tokens, store = _saved(eng, tmp_path, n=400, seed=8)
+    hit = store.find_deepest(tokens, eng.layout, eng.ids())
+    refs = _job_refs(store, hit)
+    tail = 8
+    index = len(refs) - 3 if where == "host_tail" else WAVE_CHUNKS + 2
+    victim = os.path.join(store.path, chunk_name(refs[index].content_id))
+    data = bytearray(open(victim, "rb").read())
+    data[{"payload": 4096 + 16 + 5, "padding": len(data) - 1, "header": 130}[damage]] ^= 4
+    open(victim, "wb").write(bytes(data))
+    store.device_host_tail = tail
+    reasons = {}
+    for mode, submit in (("never", "table"), ("always", "items"), ("always", "table")):
+        store.read_processes, store.tuning.read_submit = mode, submit
+        r = eng.new_session()
+        r.prefill(tokens[:9])
+        before = r.cache_digest()
+        with pytest.raises(StoreError) as exc:
+            store.restore(hit, r, tokens)
+        reasons[(mode, submit)] = str(exc.value)
+        assert r.cache_digest() == before and len(r.tokens) == 9
+        assert _ring()._free.qsize() == _ring().waves
+    assert len(set(reasons.values())) == 1, reasons
+    assert next(iter(reasons.values())).startswith("corrupt")

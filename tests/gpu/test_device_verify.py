@@ -288,8 +288,13 @@ def test_host_tail_is_calibrated_from_the_kernel_latency():
     ring = device_verify.wave_ring("cuda", wave_chunks=5, waves=1)
     latency = gpu_digest.message_latency("cuda", C.MAX_CHUNK_OBJECT_BYTES)
     assert 0 < latency < 5
-    tail = device_verify.host_tail_chunks(ring, 16, C.MAX_CHUNK_OBJECT_BYTES)
-    assert tail == int(latency * 16 / (2 * C.MAX_CHUNK_OBJECT_BYTES / device_verify.host_sha256_rate()))
+    chunk = C.MAX_CHUNK_OBJECT_BYTES
+    tail = device_verify.host_tail_chunks(ring, 16, chunk)
+    assert tail == int(latency * 16 / (chunk / device_verify.READ_BYTES_PER_S + 2 * chunk / device_verify.host_sha256_rate()))
+    # measured host cost per byte and one wave's upload, as a restore passes them
+    measured = device_verify.host_tail_chunks(ring, 16, chunk, host_s_per_byte=1e-9, upload_bytes=1 << 29)
+    assert measured == int((latency + (1 << 29) / device_verify.H2D_BYTES_PER_S) * 16 / (chunk * 1e-9))
+    assert device_verify.host_tail_chunks(ring, 16, chunk, host_s_per_byte=2e-9) < measured
 
 
 @requires_cuda
@@ -306,11 +311,13 @@ def test_gpu_sha256_full_chunk_objects():
 
 
 @requires_cuda
+@pytest.mark.parametrize("digests", ["copy", "mapped"])
 @pytest.mark.parametrize("tail", [0, None], ids=["all-device", "calibrated-host-tail"])
 @pytest.mark.parametrize("dtype", ["f16", "bf16", "f32"])
-def test_device_verified_restore_on_cuda_is_bit_identical(tmp_path, dtype, tail):
+def test_device_verified_restore_on_cuda_is_bit_identical(tmp_path, monkeypatch, dtype, tail, digests):
     import torch
 
+    monkeypatch.setattr(device_verify, "DIGESTS", digests)
     eng = llama_engine(dtype, device="cuda")
     tokens = random_tokens(1000, eng.layout.vocab_size)
     s = eng.new_session()
@@ -334,7 +341,9 @@ def test_device_verified_restore_on_cuda_is_bit_identical(tmp_path, dtype, tail)
 
 
 @requires_cuda
-def test_device_verified_refusal_on_cuda(tmp_path):
+@pytest.mark.parametrize("digests", ["copy", "mapped"])
+def test_device_verified_refusal_on_cuda(tmp_path, monkeypatch, digests):
+    monkeypatch.setattr(device_verify, "DIGESTS", digests)
     eng = llama_engine("f16", device="cuda")
     tokens = random_tokens(512, eng.layout.vocab_size)
     s = eng.new_session()

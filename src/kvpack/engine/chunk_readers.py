@@ -19,11 +19,19 @@ refuses and installs nothing; the next batch starts a new worker. This module ne
 what is verified and never touches the device.
 
 Protocol (pipes, parent -> worker): ``("ctx", id, ctx)`` once per restore and worker, then
-``("batch", task, ctx id, geometry, items)`` (an item is the slot and the chunk's ref, span
-and state key as plain values: :meth:`kvpack.engine.restore.DeviceVerifiedPipeline
-.submit_reads`); worker -> parent: ``("ok", task, results)`` or
-``("err", task, exception)``. Frames are an 8-byte length and a pickle; both ends are this
-module, started by this process.
+either ``("batch", task, ctx id, geometry, items)`` (an item is the slot and the chunk's ref,
+span and state key as plain values, one tuple per chunk: ``RestoreTuning.read_submit =
+"items"``) or ``("slices", ctx id, [(task, geometry, slice), ...])`` (``"table"``, the
+default: one message per worker for every wave the restore could take without waiting, each
+:class:`WaveSlice` a compact table of consecutive slots of one wave: offsets, one int64 row
+and 96 id bytes per chunk as plain bytes, so neither end builds or pickles per-chunk Python
+objects); worker -> parent, one frame per task as it finishes: ``("ok", task, results)`` or
+``("ok", task, results, timing)`` (a wave slice: seconds and bytes spent on chunks left to
+the device and on chunks verified here, which size the restore's host tail) or
+``("err", task, exception)``. Each worker serves its pipe and its slices in order, so a
+restore that gives every worker one contiguous slice of each wave has its waves read in wave
+order. Frames are an 8-byte length and a pickle; both ends are this module, started by this
+process.
 """
 
 from __future__ import annotations
@@ -35,7 +43,9 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
 _LEN = struct.Struct("<Q")
@@ -70,35 +80,107 @@ def _reader_from(recipe: tuple[str, str, tuple]) -> Any:
     return getattr(importlib.import_module(module), name)(*args)
 
 
-def _run_batch(maps: list, ctx: Any, reader: Any, geometry: tuple, items: list) -> list:
+#: int64 columns of a :class:`WaveSlice` row, in order
+SLICE_COLUMNS = (
+    "key_epoch",
+    "ref_plaintext_bytes",
+    "object_bytes",
+    "token_start",
+    "token_count",
+    "plaintext_offset",
+    "plaintext_bytes",
+    "layer",
+    "name",
+    "family",
+)
+#: id bytes per chunk in a :class:`WaveSlice`: content id, object key, object digest
+SLICE_ID_BYTES = 96
+
+
+@dataclass
+class WaveSlice:
+    """Consecutive slots ``first .. first + n - 1`` of one wave, as plain bytes: ``starts``
+    (n + 1 int64 slot offsets, the last one the end of the last slot), ``rows`` (n rows of
+    len(:data:`SLICE_COLUMNS`) int64), ``ids`` (n x :data:`SLICE_ID_BYTES` bytes), the
+    state names the rows index, and ``host_from``: slots from this one on (relative to
+    ``first``) are verified completely here (the restore's host tail)."""
+
+    first: int
+    starts: bytes
+    rows: bytes
+    ids: bytes
+    names: tuple[str, ...]
+    host_from: int
+
+
+def _views(maps: list, geometry: tuple) -> tuple:
     import numpy as np
 
-    from ..format.objects import ChunkRef, Span, StateKey
-    from .device_verify import write_job_rows
     from .gpu_digest import HEAD_BYTES
-    from .restore import check_chunk
 
     segment, base, table_at, heads_at, dev_base, heads_base = geometry
     mem = maps[segment]
     jobs = (heads_at - table_at) // 32  # two int64 x 4 rows per object
     table = np.frombuffer(mem, dtype=np.int64, count=jobs * 4, offset=table_at).reshape(jobs, 4)
     heads = np.frombuffer(mem, dtype=np.uint8, count=jobs * HEAD_BYTES, offset=heads_at).reshape(jobs, HEAD_BYTES)
-    view = memoryview(mem)
+    return memoryview(mem), table, heads
+
+
+def _check_slot(view, table, heads, geometry: tuple, ctx: Any, reader: Any, i: int, offset: int, size: int, ref, span, key, family: int, on_host: bool) -> Any:
+    """Read and check one chunk into slot ``i``, write its two job rows: None (verified
+    here) or (content id, held refusal) for the device to finish."""
+    from .device_verify import write_job_rows
+    from .restore import check_chunk
+
+    _segment, base, _table_at, _heads_at, dev_base, heads_base = geometry
+    region = view[base + offset : base + offset + size]
+    verify_args = ctx.verify_args(ref, span, key, ctx.families[family])
+    deferred, head, n = check_chunk(reader.read_into, ref, span, key, verify_args, region, on_host, ctx)
+    if deferred is None:
+        write_job_rows(table, heads, i, dev_base + offset, heads_base, 0, 0, b"")
+        return None
+    write_job_rows(table, heads, i, dev_base + offset, heads_base, n, span.plaintext_bytes, head)
+    return (deferred.content_id, deferred.held)
+
+
+def _run_batch(maps: list, ctx: Any, reader: Any, geometry: tuple, items: list) -> list:
+    from ..format.objects import ChunkRef, Span, StateKey
+
+    view, table, heads = _views(maps, geometry)
     results: list = []
     for item in items:
         i, offset, size = item[0:3]
         ref, span, key = ChunkRef(*item[3:9]), Span(*item[9:13]), StateKey(item[13], item[14])
-        family, on_host = item[15], item[16]
-        region = view[base + offset : base + offset + size]
-        verify_args = ctx.verify_args(ref, span, key, ctx.families[family])
-        deferred, head, n = check_chunk(reader.read_into, ref, span, key, verify_args, region, on_host, ctx)
-        if deferred is None:
-            write_job_rows(table, heads, i, dev_base + offset, heads_base, 0, 0, b"")
-            results.append(None)
-        else:
-            write_job_rows(table, heads, i, dev_base + offset, heads_base, n, span.plaintext_bytes, head)
-            results.append((deferred.content_id, deferred.held))
+        results.append(_check_slot(view, table, heads, geometry, ctx, reader, i, offset, size, ref, span, key, item[15], item[16]))
     return results
+
+
+def _run_wave_slice(maps: list, ctx: Any, reader: Any, geometry: tuple, part: WaveSlice) -> tuple[list, tuple]:
+    """The slots of ``part``: their results, and (seconds, bytes) spent on chunks left to
+    the device, then on chunks verified here."""
+    from ..format.objects import ChunkRef, Span, StateKey
+
+    view, table, heads = _views(maps, geometry)
+    starts = memoryview(part.starts).cast("q").tolist()
+    flat = memoryview(part.rows).cast("q").tolist()
+    width = len(SLICE_COLUMNS)
+    ids = part.ids
+    results: list = []
+    spent = [0.0, 0, 0.0, 0]
+    for j in range(len(starts) - 1):
+        epoch, ref_plain, obj_bytes, t_start, t_count, p_off, p_bytes, layer, name, family = flat[width * j : width * (j + 1)]
+        at = SLICE_ID_BYTES * j
+        ref = ChunkRef(ids[at : at + 32], ids[at + 32 : at + 64], ids[at + 64 : at + 96], epoch, ref_plain, obj_bytes)
+        span, key = Span(t_start, t_count, p_off, p_bytes), StateKey(layer, part.names[name])
+        t0 = time.perf_counter()
+        result = _check_slot(
+            view, table, heads, geometry, ctx, reader, part.first + j, starts[j], starts[j + 1] - starts[j], ref, span, key, family, j >= part.host_from
+        )
+        k = 0 if result is not None else 2
+        spent[k] += time.perf_counter() - t0
+        spent[k + 1] += obj_bytes
+        results.append(result)
+    return results, tuple(spent)
 
 
 def worker_main(argv: list[str]) -> int:
@@ -121,18 +203,29 @@ def worker_main(argv: list[str]) -> int:
             while len(ctxs) > _KEEP_CTX:
                 del ctxs[min(ctxs)]
             continue
-        _kind, task, cid, geometry, items = message
-        try:
-            ctx, reader = ctxs[cid]
-            reply: tuple = ("ok", task, _run_batch(maps, ctx, reader, geometry, items))
-        except BaseException as exc:  # a refusal (or a bug): the parent raises it
-            reply = ("err", task, exc)
-        try:
-            _write_frame(out, reply)
-        except (pickle.PicklingError, TypeError, AttributeError):
-            from ..errors import StoreError
+        if message[0] == "slices":  # one reply per slice, each as soon as it is done
+            _kind, cid, parts = message
+            for task, geometry, part in parts:
+                _serve(out, ctxs, maps, task, cid, geometry, part, _run_wave_slice)
+        else:
+            _kind, task, cid, geometry, items = message
+            _serve(out, ctxs, maps, task, cid, geometry, items, _run_batch)
 
-            _write_frame(out, ("err", task, StoreError("io", f"chunk reader: {type(reply[2]).__name__}: {reply[2]}")))
+
+def _serve(out, ctxs: dict, maps: list, task: int, cid: int, geometry: tuple, work: Any, run: Any) -> None:
+    """Run one task and write its reply: its results (and any timing), or its refusal."""
+    try:
+        ctx, reader = ctxs[cid]
+        done = run(maps, ctx, reader, geometry, work)
+        reply: tuple = ("ok", task, *done) if isinstance(done, tuple) else ("ok", task, done)
+    except BaseException as exc:  # a refusal (or a bug): the parent raises it
+        reply = ("err", task, exc)
+    try:
+        _write_frame(out, reply)
+    except (pickle.PicklingError, TypeError, AttributeError):
+        from ..errors import StoreError
+
+        _write_frame(out, ("err", task, StoreError("io", f"chunk reader: {type(reply[2]).__name__}: {reply[2]}")))
 
 
 # -- the parent ----------------------------------------------------------------------------
@@ -169,7 +262,9 @@ class _Worker:
                 message = None
             if message is None:
                 break
-            kind, task, payload = message
+            kind, task, payload, *timing = message
+            if timing:
+                self.pool.record(timing[0])
             with self.lock:
                 fut = self.pending.pop(task, None)
             if fut is None:
@@ -190,24 +285,26 @@ class _Worker:
             if not fut.done():
                 fut.set_exception(StoreError("io", why))
 
-    def submit(self, task: int, cid: int, ctx: Any, geometry: tuple, items: list) -> Future:
-        fut: Future = Future()
+    def submit(self, tasks: list[int], cid: int, ctx: Any, message: tuple) -> list[Future]:
+        """Send ``message`` (after the restore's context, once) and a Future per task."""
+        futs: list[Future] = [Future() for _ in tasks]
         with self.lock:
             if not self.alive:
                 raise BrokenPipeError
-            self.pending[task] = fut
+            self.pending.update(zip(tasks, futs))
             try:
                 if cid not in self.sent_ctx:
                     _write_frame(self.proc.stdin, ("ctx", cid, ctx))
                     self.sent_ctx.add(cid)
                     if len(self.sent_ctx) > _KEEP_CTX:
                         self.sent_ctx.discard(min(self.sent_ctx))
-                _write_frame(self.proc.stdin, ("batch", task, cid, geometry, items))
+                _write_frame(self.proc.stdin, message)
             except (BrokenPipeError, OSError, ValueError):
-                self.pending.pop(task, None)
+                for task in tasks:
+                    self.pending.pop(task, None)
                 self.alive = False
                 raise BrokenPipeError from None
-        return fut
+        return futs
 
     def close(self) -> None:
         try:
@@ -232,7 +329,26 @@ class ReaderPool:
         self.workers: list[_Worker] = []
         self._lock = threading.Lock()
         self._tasks = itertools.count()
+        #: seconds and bytes the workers spent on chunks left to the device, then on chunks
+        #: verified completely in a worker (wave slices only): what a host tail costs here
+        self.timing = [0.0, 0, 0.0, 0]
         self.ensure(processes)
+
+    def record(self, spent: tuple) -> None:
+        with self._lock:
+            for k, v in enumerate(spent):
+                self.timing[k] += v
+
+    def host_seconds_per_byte(self) -> float | None:
+        """Seconds one worker has taken per object byte to read and verify a chunk
+        completely (a host tail chunk), over every wave slice so far; None before any."""
+        with self._lock:
+            seconds, nbytes = self.timing[2], self.timing[3]
+        return seconds / nbytes if nbytes else None
+
+    def live(self) -> int:
+        with self._lock:
+            return sum(1 for w in self.workers if w.alive)
 
     def ensure(self, processes: int) -> None:
         with self._lock:
@@ -241,15 +357,26 @@ class ReaderPool:
                 self.workers.append(_Worker(self))
 
     def submit(self, cid: int, ctx: Any, geometry: tuple, items: list) -> Future:
-        """Read and check ``items`` of the wave at ``geometry`` in a worker: a Future of
-        one result per item (None: verified on the host; else (content id, held refusal))."""
+        """Read and check ``items`` of the wave at ``geometry`` in the least busy worker: a
+        Future of one result per item (None: verified on the host; else (content id, held
+        refusal))."""
+        return self._send(None, cid, ctx, 1, lambda tasks: ("batch", tasks[0], cid, geometry, items))[0]
+
+    def submit_slices(self, worker_index: int, cid: int, ctx: Any, parts: list[tuple[tuple, WaveSlice]]) -> list[Future]:
+        """``parts`` ((geometry, :class:`WaveSlice`) each, in wave order) in one message to
+        live worker number ``worker_index`` (modulo the live workers), which serves them
+        in order and replies to each as it is done: a Future per part, as :meth:`submit`."""
+        return self._send(worker_index, cid, ctx, len(parts), lambda tasks: ("slices", cid, [(t, g, p) for t, (g, p) in zip(tasks, parts)]))
+
+    def _send(self, worker_index: int | None, cid: int, ctx: Any, count: int, message: Any) -> list[Future]:
         for _attempt in range(2):
             with self._lock:
                 live = [w for w in self.workers if w.alive]
             if live:
-                worker = min(live, key=lambda w: len(w.pending))
+                worker = min(live, key=lambda w: len(w.pending)) if worker_index is None else live[worker_index % len(live)]
+                tasks = [next(self._tasks) for _ in range(count)]
                 try:
-                    return worker.submit(next(self._tasks), cid, ctx, geometry, items)
+                    return worker.submit(tasks, cid, ctx, message(tasks))
                 except BrokenPipeError:
                     pass
             self.ensure(max(1, len(self.workers)))
@@ -264,4 +391,4 @@ class ReaderPool:
             w.close()
 
 
-__all__ = ["ReaderPool", "worker_main"]
+__all__ = ["SLICE_COLUMNS", "SLICE_ID_BYTES", "ReaderPool", "WaveSlice", "worker_main"]

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import os
 import queue
 import threading
 from typing import Any
@@ -49,6 +50,14 @@ from .lazy_torch import load_torch as _torch
 PLAINTEXT_OFFSET = C.HEADER_BYTES + C.CODEC_FRAME_HEADER_BYTES
 #: Streams a ring spreads its waves over (the default number of CUDA hardware queues).
 MAX_STREAMS = 8
+#: Where the kernel writes a wave's digests: "copy" (device memory, then a device-to-host
+#: copy queued after the kernel on the wave's stream) or "mapped" (straight into the wave's
+#: pinned host rows, which CUDA maps into the device's address space: no copy queued behind
+#: the kernel). On the H200 at most 4 waves hashed at once with "copy", each wave's upload
+#: starting when the digests of the wave 4 before it were back (a digest copy waiting for its
+#: kernel holds the copy queue it shares): "mapped" is the experiment that removes that
+#: copy (KVPACK_DIGESTS; docs/benchmarks.md says what to measure).
+DIGESTS = os.environ.get("KVPACK_DIGESTS", "copy")
 
 
 def slot_bytes(object_bytes: int, plaintext_bytes: int) -> int:
@@ -245,14 +254,22 @@ class Wave:
             self.dev[:nbytes].copy_(self.host[:nbytes])
             self._host_digests = b"".join(hash_jobs_on_host(self.table_np, jobs))
             return
+        mapped = DIGESTS == "mapped"
+        if mapped and jobs:
+            # the previous use of these rows has finished (_wait_reusable): clear them, so a
+            # kernel that did not write can only fail the digest checks, never pass stale ones
+            self.out_host[:jobs].zero_()
         with torch.cuda.stream(self.stream):
             if nbytes:
                 self.dev[:nbytes].copy_(self.host[:nbytes], non_blocking=True)
             if jobs:
                 self.table_dev[:jobs].copy_(self.table[:jobs], non_blocking=True)
                 self.heads_dev[:jobs].copy_(self.heads[:jobs], non_blocking=True)
-                gpu_digest.launch(self.table_dev, self.out_dev, jobs, stream=self.stream)
-                self.out_host[:jobs].copy_(self.out_dev[:jobs], non_blocking=True)
+                if mapped:  # pinned host rows: the kernel writes them over the bus
+                    gpu_digest.launch(self.table_dev, self.out_host, jobs, stream=self.stream)
+                else:
+                    gpu_digest.launch(self.table_dev, self.out_dev, jobs, stream=self.stream)
+                    self.out_host[:jobs].copy_(self.out_dev[:jobs], non_blocking=True)
             self.hashed.record(self.stream)
 
     # -- step 3: results and install -------------------------------------------------------
@@ -400,14 +417,38 @@ def host_sha256_rate() -> float:
     return _host_rate[0]
 
 
-def host_tail_chunks(ring: "WaveRing", workers: int, chunk_bytes: int) -> int:
-    """How many chunks the host threads can verify completely (two hash passes each) in
-    the time the device needs to hash one wave after its upload: giving the restore's
-    last chunks to the host hides the kernel's latency behind them."""
+#: Host-to-device copy rate assumed for a wave's upload (pinned staging; bench_limits
+#: measured 55 GB/s on the H200): only the host tail's size depends on it.
+H2D_BYTES_PER_S = 50e9
+#: Page-cache read rate of one reader process assumed before any restore has measured it
+#: (16 processes read 42 GB/s on the H200 host: docs/benchmarks.md).
+READ_BYTES_PER_S = 2.5e9
+
+
+def host_tail_chunks(
+    ring: "WaveRing",
+    workers: int,
+    chunk_bytes: int,
+    *,
+    host_s_per_byte: float | None = None,
+    upload_bytes: int = 0,
+) -> int:
+    """How many of a restore's last chunks the host should verify completely (read plus
+    both hashes) so that it finishes when the device's last wave does.
+
+    The last device wave's hashes end ``L`` = upload + kernel latency (set by the longest
+    message) after its reads; meanwhile ``workers`` verify ``t`` tail chunks costing ``c``
+    each (``host_s_per_byte`` measured by the reader processes, else a page-cache read plus
+    two hashlib passes), so the two end together at ``t = L * workers / c``. Reading the
+    tail instead of the device's chunks moves the device's last reads earlier by ``t`` reads,
+    which the same equation already accounts for (``c`` includes the read)."""
     if not ring.cuda or chunk_bytes <= 0:
         return 0
-    latency = gpu_digest.message_latency(ring.device, chunk_bytes)
-    per_chunk = 2 * chunk_bytes / host_sha256_rate()
+    latency = gpu_digest.message_latency(ring.device, chunk_bytes) + upload_bytes / H2D_BYTES_PER_S
+    if host_s_per_byte is None:
+        per_chunk = chunk_bytes / READ_BYTES_PER_S + 2 * chunk_bytes / host_sha256_rate()
+    else:
+        per_chunk = chunk_bytes * host_s_per_byte
     return int(latency * max(workers, 1) / per_chunk)
 
 
@@ -420,7 +461,9 @@ def unavailable_reason(device: Any) -> str | None:
 
 
 __all__ = [
+    "H2D_BYTES_PER_S",
     "MAX_STREAMS",
+    "READ_BYTES_PER_S",
     "PLAINTEXT_OFFSET",
     "SLOT_BYTES",
     "Wave",

@@ -186,8 +186,9 @@ def available(device: Any) -> str | None:
 
 def launch(jobs, out, count: int, stream=None) -> None:
     """Hash ``count`` jobs: ``jobs`` is an int64 CUDA tensor of shape (>=count, 4) (body
-    address, head address, body bytes, head bytes); ``out`` a uint32/int32 CUDA tensor of
-    shape (>=count, 8). Runs on ``stream`` (default: the current stream) asynchronously.
+    address, head address, body bytes, head bytes); ``out`` a uint32/int32 tensor of shape
+    (>=count, 8), on the device or in pinned host memory (mapped into the device's address
+    space under unified addressing: the kernel writes it over the bus). Runs on ``stream`` (default: the current stream) asynchronously.
     Every address must stay valid until the kernel has run."""
     if count <= 0:
         return

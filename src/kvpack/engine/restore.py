@@ -53,6 +53,11 @@ def _one_pass_default() -> int:
     return ONE_PASS_BLOCK if default_workers() <= 2 else 0
 
 
+def _host_tail_default() -> int | None:
+    value = os.environ.get("KVPACK_DEVICE_HOST_TAIL", "0")
+    return None if value == "auto" else int(value)
+
+
 def default_workers() -> int:
     return max(1, min(8, os.cpu_count() or 1))
 
@@ -117,9 +122,19 @@ class RestoreTuning:
     #: device verify: read and check chunks in reader processes (kvpack.engine.chunk_readers):
     #: "auto" (GPU restores from plain POSIX stores), "always" (tests), "never" (threads)
     read_processes: str = field(default_factory=lambda: os.environ.get("KVPACK_READ_PROCESSES", "auto"))
+    #: device verify: how the reads of a wave reach the reader processes: "table" (one
+    #: message per worker per wave, a compact table of a contiguous slice, so every worker
+    #: reads wave k before wave k + 1) or "items" (batches of per-chunk tuples to the least
+    #: busy worker, the earlier protocol; kept to compare)
+    read_submit: str = field(default_factory=lambda: os.environ.get("KVPACK_READ_SUBMIT", "table"))
     #: device verify: how many of the last chunks the host verifies while the device hashes
-    #: the rest (None: as many as the workers verify in one kernel latency; 0: off)
-    device_host_tail: int | None = 0
+    #: the rest, in waves of their own after the device's (None or "auto" in
+    #: KVPACK_DEVICE_HOST_TAIL: sized so the host work ends when the last kernel does,
+    #: ``device_verify.host_tail_chunks``; 0: off)
+    device_host_tail: int | None = field(default_factory=lambda: _host_tail_default())
+    #: device verify: factor on the calibrated host tail (KVPACK_HOST_TAIL_SCALE), to try
+    #: larger or smaller tails on a device without code changes
+    device_host_tail_scale: float = field(default_factory=lambda: float(os.environ.get("KVPACK_HOST_TAIL_SCALE", "1.0")))
     #: host verification: bytes each of the two hashes reads in turn (one pass over the
     #: object, format.chunk.decode_chunk_one_pass); 0: one pass per hash. Smaller blocks stay
     #: in cache, larger ones take the GIL less often (many threads)
@@ -562,6 +577,11 @@ class DeviceVerifiedPipeline:
         self.reading: deque[tuple] = deque()  # (wave, jobs, futures): reads queued, in order
         self.launched: deque[tuple] = deque()  # hashes queued, in order
         self.held: list[Any] = []
+        self.state_names: dict[str, int] = {}  # state name -> its index in wave slices
+        self.planned: list[tuple] = []  # (wave, jobs, first job index): taken, reads not yet sent
+        self.pool: Any = None  # the reading threads (when there are no reader processes)
+        self.first_host = 0  # the first job of the host tail
+        self.worker_turn = 0  # the worker that gets the first slice of the next wave
 
     def read_one(self, job: ChunkJob, wave: Any, i: int, on_host: bool) -> Any:
         """The DeferredChunk of slot ``i`` (its job rows written), or None when it was
@@ -577,8 +597,8 @@ class DeviceVerifiedPipeline:
         return [self.read_one(jobs[i], wave, i, offset + i >= first_host) for i in range(first, stop)]
 
     def submit_reads(self, pool: Any, wave: Any, group: list[ChunkJob], start: int, first_host: int) -> list[Future]:
-        """Futures of the wave's reads and host checks, in batches: on the reader processes
-        when there are any, else on the threads."""
+        """Futures of the wave's reads and host checks, in batches of per-chunk items: on
+        the reader processes when there are any (least busy first), else on the threads."""
         batch = max(1, min(self.BATCH, -(-len(group) // self.tuning.workers)))
         if self.readers is None:
             return [pool.submit(self.read_batch, wave, group, lo, min(lo + batch, len(group)), first_host, start) for lo in range(0, len(group), batch)]
@@ -598,6 +618,84 @@ class DeviceVerifiedPipeline:
                 )
             futs.append(self.readers.submit(self.ctx_id, self.ctx, geometry, items))
         return futs
+
+    def wave_slices(self, wave: Any, group: list[ChunkJob], start: int, first_host: int, workers: int) -> list[Any]:
+        """The wave cut into ``workers`` contiguous slices (chunk_readers.WaveSlice): one
+        pass over its jobs in Python, the rest plain bytes."""
+        from array import array
+
+        from .chunk_readers import SLICE_COLUMNS, SLICE_ID_BYTES, WaveSlice
+
+        n = len(group)
+        names, families = self.state_names, self.family_index
+        flat, ids = array("q"), bytearray()
+        for job in group:
+            r, sp, key = job.ref, job.span, job.key
+            name = names.setdefault(key.name, len(names))
+            flat.extend(
+                (
+                    r.key_epoch,
+                    r.plaintext_bytes,
+                    r.object_bytes,
+                    sp.token_start,
+                    sp.token_count,
+                    sp.plaintext_offset,
+                    sp.plaintext_bytes,
+                    key.layer,
+                    name,
+                    families[id(job.manifest)],
+                )
+            )
+            ids += r.content_id + r.object_key + r.object_digest
+        rows, offsets = memoryview(flat).cast("B"), memoryview(wave.offsets).cast("B")
+        row_bytes = 8 * len(SLICE_COLUMNS)
+        name_list = tuple(names)
+        per = -(-n // max(1, workers))
+        host_from = first_host - start  # relative to the wave
+        return [
+            WaveSlice(
+                lo,
+                bytes(offsets[8 * lo : 8 * (min(lo + per, n) + 1)]),
+                bytes(rows[row_bytes * lo : row_bytes * (lo + per)]),
+                bytes(ids[SLICE_ID_BYTES * lo : SLICE_ID_BYTES * (lo + per)]),
+                name_list,
+                host_from - lo,
+            )
+            for lo in range(0, n, per)
+        ]
+
+    def submit_planned(self) -> None:
+        """Start the reads of the ``planned`` waves ((wave, jobs, first job index) each, in
+        order) and queue them for launch. With reader processes and ``read_submit =
+        "table"``, every worker gets one message with its slice of each of these waves (a
+        worker serves them in order and answers each slice as it is done); otherwise each
+        wave is submitted on its own (:meth:`submit_reads`)."""
+        planned, pool, first_host = self.planned, self.pool, self.first_host
+        if not planned:
+            return
+        t_submit = time.perf_counter()
+        if self.readers is None or self.tuning.read_submit != "table":
+            entries = [(wave, group, self.submit_reads(pool, wave, group, start, first_host)) for wave, group, start in planned]
+        else:
+            workers = max(1, self.readers.live())
+            per_worker: dict[int, list[tuple]] = {}
+            owners = []  # per wave: (worker, position in its message) of each slice
+            for wave, group, start in planned:
+                geometry, mine = wave.geometry(), []
+                for w, part in enumerate(self.wave_slices(wave, group, start, first_host, workers)):
+                    parts = per_worker.setdefault((self.worker_turn + w) % workers, [])
+                    mine.append(((self.worker_turn + w) % workers, len(parts)))
+                    parts.append((geometry, part))
+                self.worker_turn += len(mine)  # small waves: the next one starts on the next worker
+                owners.append(mine)
+            futs = {w: self.readers.submit_slices(w, self.ctx_id, self.ctx, parts) for w, parts in per_worker.items()}
+            entries = [(wave, group, [futs[w][k] for w, k in mine]) for (wave, group, _start), mine in zip(planned, owners)]
+        self.reading.extend(entries)
+        self.spent["device_submit_s"] += time.perf_counter() - t_submit
+        if self.timeline is not None:
+            for wave, group, wave_futs in entries:
+                self.timeline.submitted(wave, wave_futs, t_submit, len(group))
+        planned.clear()
 
     def launch_wave(self, entry: tuple) -> None:
         wave, _jobs, futs = entry
@@ -674,6 +772,7 @@ class DeviceVerifiedPipeline:
             self.launch_wave(self.reading.popleft())
 
     def install_oldest(self) -> None:
+        self.submit_planned()  # a wave waiting to be read may be the oldest
         if not self.launched:
             self.launch_wave(self.reading.popleft())  # waits for its reads
         entry = self.launched.popleft()
@@ -689,6 +788,11 @@ class DeviceVerifiedPipeline:
             self.timeline.mark(entry[0], "install_queued")
         self.held.remove(entry[0])
         entry[0].release()
+
+    def can_take_wave(self) -> bool:
+        """Whether :meth:`take_wave` would return at once (a hint: other restores share
+        the ring)."""
+        return len(self.held) < self.waves and not self.ring._free.empty()
 
     def take_wave(self) -> Any:
         """A free wave of the (shared) ring, installing our oldest while none is free: never
@@ -719,50 +823,69 @@ class DeviceVerifiedPipeline:
         self.ctx = CheckContext(self.ctx.tenant, self.ctx.keys, self.ctx.epoch, self.ctx.family_digest, self.inner_pad, tuple(families), recipe)
         return self.ring.readers(self.tuning.workers)
 
-    def plan_waves(self, sizes: list[int]) -> list[tuple[int, int]]:
+    def plan_waves(self, sizes: list[int], split: int | None = None) -> list[tuple[int, int]]:
         """Consecutive ``[start, stop)`` job ranges, each fitting one wave (``sizes`` are
         slot bytes, none larger than a wave), at least ``MIN_WAVES`` of them when there are
-        that many jobs."""
+        that many jobs; a new wave starts at job ``split`` (the host tail: a wave hashed on
+        the device never waits for the slower reads of chunks verified on the host)."""
         target_bytes = min(self.ring.wave_bytes, max(max(sizes), -(-sum(sizes) // self.MIN_WAVES)))
         target_count = min(self.ring.wave_chunks, max(1, -(-len(sizes) // self.MIN_WAVES)))
         ranges, start, used = [], 0, 0
         for i, size in enumerate(sizes):
-            if i > start and (used + size > target_bytes or i - start >= target_count):
+            if i > start and (used + size > target_bytes or i - start >= target_count or i == split):
                 ranges.append((start, i))
                 start, used = i, 0
             used += size
         ranges.append((start, len(sizes)))
         return ranges
 
-    def run(self, jobs: list[ChunkJob]) -> PipelineResult:
-        from .device_verify import host_tail_chunks, slot_bytes
+    def host_tail(self, jobs: list[ChunkJob], sizes: list[int]) -> int:
+        """How many of the last jobs the host verifies (``RestoreTuning.device_host_tail``;
+        None: :func:`~kvpack.engine.device_verify.host_tail_chunks` from the kernel latency,
+        one wave's upload and what a host-verified chunk has cost the reader processes)."""
+        from .device_verify import host_tail_chunks
 
-        t_plan = time.perf_counter()
         tail = self.tuning.device_host_tail
         if tail is None:
-            tail = host_tail_chunks(self.ring, self.tuning.workers, max(job.ref.object_bytes for job in jobs))
-        first_host = len(jobs) - min(tail, len(jobs))
+            workers = self.readers.live() if self.readers is not None else self.tuning.workers
+            per_byte = self.readers.host_seconds_per_byte() if self.readers is not None else None
+            upload = min(self.ring.wave_bytes, -(-sum(sizes) // self.MIN_WAVES))
+            tail = host_tail_chunks(
+                self.ring,
+                workers,
+                max(job.ref.object_bytes for job in jobs),
+                host_s_per_byte=per_byte,
+                upload_bytes=upload,
+            )
+            tail = int(tail * self.tuning.device_host_tail_scale)
+        return min(max(tail, 0), len(jobs))
+
+    def run(self, jobs: list[ChunkJob]) -> PipelineResult:
+        from .device_verify import slot_bytes
+
+        t_plan = time.perf_counter()
+        self.readers = self.reader_processes(jobs)
         # an object larger than a wave can hold gets a minimal slot: its read comes back
         # whole as bytes and its checks refuse it
         sizes = [slot_bytes(job.ref.object_bytes, job.span.plaintext_bytes) for job in jobs]
         sizes = [s if s <= self.ring.wave_bytes else slot_bytes(0, 0) for s in sizes]
-        ranges = self.plan_waves(sizes)
-        self.readers = self.reader_processes(jobs)
+        first_host = len(jobs) - self.host_tail(jobs, sizes)
+        ranges = self.plan_waves(sizes, first_host)
         self.spent["device_plan_s"] += time.perf_counter() - t_plan
         try:
             with ThreadPoolExecutor(self.tuning.workers if self.readers is None else 1) as pool:
                 try:
+                    self.pool, self.first_host = pool, first_host
                     for start, stop in ranges:
-                        group = jobs[start:stop]
+                        if not self.can_take_wave():
+                            self.submit_planned()  # taking a wave may wait: read what is planned
                         self.pump()
                         wave = self.take_wave()
                         wave.plan(sizes[start:stop])
-                        t_submit = time.perf_counter()
-                        futs = self.submit_reads(pool, wave, group, start, first_host)
-                        self.reading.append((wave, group, futs))
-                        self.spent["device_submit_s"] += time.perf_counter() - t_submit
-                        if self.timeline is not None:
-                            self.timeline.submitted(wave, futs, t_submit, len(group))
+                        self.planned.append((wave, jobs[start:stop], start))
+                        if self.tuning.read_submit != "table":
+                            self.submit_planned()
+                    self.submit_planned()
                     while self.reading or self.launched:
                         self.install_oldest()
                 except BaseException:
@@ -786,5 +909,10 @@ class DeviceVerifiedPipeline:
         if self.timeline is not None:
             self.timeline.write()
         phases: dict[str, float] = {k: round(v, 4) for k, v in self.spent.items()}
-        phases.update(device_waves=len(ranges), device_ring=self.waves, device_read_processes=len(self.readers.workers) if self.readers else 0)
+        phases.update(
+            device_waves=len(ranges),
+            device_ring=self.waves,
+            device_read_processes=len(self.readers.workers) if self.readers else 0,
+            device_host_tail=len(jobs) - first_host,
+        )
         return PipelineResult(self.verified, self.nbytes, self.hashed_on, phases, pipeline="device")
