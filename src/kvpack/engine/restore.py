@@ -883,7 +883,9 @@ class DeviceVerifiedPipeline:
                         wave = self.take_wave()
                         wave.plan(sizes[start:stop])
                         self.planned.append((wave, jobs[start:stop], start))
-                        if self.tuning.read_submit != "table":
+                        # wave slices go out together (one message per worker), except the
+                        # first wave's, sent at once so the reads start while the rest is planned
+                        if self.readers is None or self.tuning.read_submit != "table" or not (self.reading or self.launched):
                             self.submit_planned()
                     self.submit_planned()
                     while self.reading or self.launched:
