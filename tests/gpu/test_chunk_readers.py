@@ -204,3 +204,21 @@ def test_a_tampered_chunk_refuses_in_an_ordered_wave_and_in_the_host_tail(eng, t
         assert _ring()._free.qsize() == _ring().waves
     assert len(set(reasons.values())) == 1, reasons
     assert next(iter(reasons.values())).startswith("corrupt")
+
+
+def test_wave_slices_are_read_in_wave_order(eng, tmp_path, monkeypatch):
+    """Every worker serves its slices in the order sent, one slice of each wave: so no wave's
+    reads finish after a later wave's (the timeline's ``reads_done``)."""
+    import json
+
+    path = os.path.join(tmp_path, "timeline.jsonl")
+    monkeypatch.setenv("KVPACK_RESTORE_TIMELINE", path)
+    s, tokens, store = _saved(eng, tmp_path, n=500, seed=9)
+    r = eng.new_session()
+    report = store.restore(store.find_deepest(tokens, eng.layout, eng.ids()), r, tokens)
+    assert r.cache_digest() == s.cache_digest()
+    with open(path) as fh:
+        rows = json.loads(fh.readline())
+    assert len(rows) == report.phases["device_waves"] > WAVES
+    done = [row["reads_done"] for row in sorted(rows, key=lambda row: row["wave"])]
+    assert done == sorted(done)
