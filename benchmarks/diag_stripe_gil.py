@@ -1,0 +1,225 @@
+"""Diagnostic: N TLS receive streams as threads of one process vs one process each.
+
+Why it exists (issue 14): through the node daemons, stripes made a handoff *slower* on the
+16-core H200 host (6.2 / 5.9 / 5.3 / 4.1 Gbps at 1 / 2 / 4 / 8 stripes), while
+bench_handoff_procs, one process per stripe, scaled (7.9 / 13.1 / 19.9 / 23.0). The
+suspect: Python's ``ssl`` returns at most one 16 KiB TLS record per ``recv_into``, and each
+call releases and retakes the GIL; with several receiving threads in one process the
+thread that just released the GIL usually takes it back before a woken thread runs, so the
+others wait (the "convoy" of CPython's GIL), and the aggregate stays near one stream.
+
+This isolates that: the senders are always one process per stream (``sendall`` of large
+buffers: one GIL release per megabyte, never the bottleneck); the receivers read with the
+node's loop shape (one ``recv_into`` per TLS record into a reused 1 MiB buffer) either as
+``threads`` (N threads of one process, as ``kvpack receiver`` does today) or ``procs``
+(N processes). ``--switch-ms`` also tries other ``sys.setswitchinterval`` values in the
+receiving process. One JSON line per (mode, stripes, switch): aggregate Gbps, the
+receivers' CPU seconds per GiB, ``first_stream_done_share`` (when the first stream finished,
+as a share of the whole: near 1 when the streams share the host fairly, near 1/N when they
+take turns) and ``threads_vs_procs`` (threads' Gbps over procs' Gbps, same run).
+
+    python benchmarks/diag_stripe_gil.py --mib 512 --stripes 1,4          # 2-core box
+    python benchmarks/diag_stripe_gil.py --mib 4096 --stripes 1,2,4,8     # H200 host
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import resource
+import sys
+import tempfile
+import threading
+import time
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_handoff_procs import make_pki  # noqa: E402
+
+from kvpack.security import tls  # noqa: E402
+
+RECORD_LOOP_BUF = 1 << 20
+SEND_BUF = 8 << 20
+TIMEOUT_S = 300.0
+
+
+def _cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def _receive(chan, share: int) -> None:
+    """The node receiver's read shape: one recv_into per TLS record, a 1 MiB view filled."""
+    buf = memoryview(bytearray(RECORD_LOOP_BUF))
+    recv_into = chan.sock.recv_into
+    left = share
+    while left:
+        want = min(left, len(buf))
+        got = 0
+        while got < want:
+            k = recv_into(buf[got:want])
+            if not k:
+                raise RuntimeError(f"EOF with {left - got} bytes missing")
+            got += k
+        left -= got
+    chan.sendall(b"k")
+
+
+def _receiver_proc(n: int, share: int, server_ep, switch_s: float, ports, events, start) -> None:
+    """One process receiving ``n`` streams on ``n`` threads (n == 1: the procs mode)."""
+    try:
+        sys.setswitchinterval(switch_s)
+        listeners = [tls.listen("127.0.0.1", 0) for _ in range(n)]
+        for ls in listeners:
+            ports.put(ls.getsockname()[1])
+        chans = [tls.accept(ls, server_ep) for ls in listeners]
+        for ch in chans:
+            ch.settimeout(TIMEOUT_S)
+        events.put(("ready", n))
+        if not start.wait(TIMEOUT_S):
+            raise RuntimeError("no start")
+        c0 = _cpu()
+        errors: list = []
+
+        ends: list[float] = []
+
+        def run(ch) -> None:
+            try:
+                _receive(ch, share)
+                ends.append(time.monotonic())
+            except BaseException as exc:  # noqa: BLE001 - reported to the parent
+                errors.append(exc)
+
+        threads = [threading.Thread(target=run, args=(ch,)) for ch in chans]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+        events.put(("done", (ends, _cpu() - c0)))
+        for ch in chans:
+            try:
+                ch.recv(1)
+            except Exception:  # noqa: BLE001 - the peer closing is fine
+                pass
+            ch.close()
+    except BaseException:
+        events.put(("error", traceback.format_exc()))
+
+
+def _sender_proc(port: int, share: int, client_ep, events, start) -> None:
+    try:
+        chan = tls.connect(client_ep, "127.0.0.1", port)
+        chan.settimeout(TIMEOUT_S)
+        data = memoryview(os.urandom(SEND_BUF))
+        events.put(("ready", 1))
+        if not start.wait(TIMEOUT_S):
+            raise RuntimeError("no start")
+        left = share
+        while left:
+            k = min(left, len(data))
+            chan.sendall(data[:k])
+            left -= k
+        if chan.recv(1) != b"k":
+            raise RuntimeError("no ack")
+        chan.close()
+    except BaseException:
+        events.put(("error", traceback.format_exc()))
+
+
+def one(ctx, mode: str, stripes: int, total: int, endpoints, switch_s: float) -> dict:
+    server_ep, client_ep = endpoints
+    share = total // stripes
+    ports, events, start = ctx.Queue(), ctx.Queue(), ctx.Event()
+    procs = []
+    receivers = 1 if mode == "threads" else stripes
+    try:
+        for _ in range(receivers):
+            p = ctx.Process(target=_receiver_proc, args=(stripes // receivers, share, server_ep, switch_s, ports, events, start), daemon=True)
+            p.start()
+            procs.append(p)
+        for _ in range(stripes):
+            p = ctx.Process(target=_sender_proc, args=(ports.get(timeout=TIMEOUT_S), share, client_ep, events, start), daemon=True)
+            p.start()
+            procs.append(p)
+        ready = 0
+        while ready < receivers + stripes:
+            kind, val = events.get(timeout=TIMEOUT_S)
+            if kind == "error":
+                raise RuntimeError(val)
+            ready += 1
+        t0 = time.monotonic()
+        start.set()
+        ends: list[float] = []
+        cpu, reports = 0.0, 0
+        while reports < receivers:
+            kind, val = events.get(timeout=TIMEOUT_S)
+            if kind == "error":
+                raise RuntimeError(val)
+            ends.extend(val[0])
+            cpu += val[1]
+            reports += 1
+        for p in procs:
+            p.join(TIMEOUT_S)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(5)
+    elapsed = max(ends) - t0
+    nbytes = share * stripes
+    # streams of equal size that share the host fairly end together; a convoy (one thread
+    # keeps the GIL while its socket has data) ends them one after the other
+    first = min(ends) - t0
+    return {
+        "gbps": round(nbytes * 8 / elapsed / 1e9, 3),
+        "receiver_cpu_s_per_gib": round(cpu / (nbytes / (1 << 30)), 3),
+        "elapsed_s": round(elapsed, 3),
+        "first_stream_done_share": round(first / elapsed, 3),
+    }
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mib", type=int, default=512, help="payload per stripe count (split over the stripes)")
+    ap.add_argument("--stripes", default="1,4")
+    ap.add_argument("--switch-ms", default="5", help="sys.setswitchinterval values (ms) tried for the receivers (default 5, CPython's)")
+    ap.add_argument("--repeat", type=int, default=1, help="alternated runs per case; the best is reported")
+    ap.add_argument("--out")
+    args = ap.parse_args(argv)
+    ctx = mp.get_context("spawn")
+    root = tempfile.mkdtemp(prefix="kvpack-diag-gil-")
+    endpoints = make_pki(root)
+    total = args.mib << 20
+    for stripes in [int(s) for s in args.stripes.split(",")]:
+        for switch_ms in [float(s) for s in args.switch_ms.split(",")]:
+            best: dict[str, dict] = {}
+            for _ in range(args.repeat):
+                for mode in ("threads", "procs"):
+                    r = one(ctx, mode, stripes, total, endpoints, switch_ms / 1000.0)
+                    if mode not in best or r["gbps"] > best[mode]["gbps"]:
+                        best[mode] = r
+            line = {
+                "bench": "diag_stripe_gil",
+                "cpus": os.cpu_count(),
+                "stripes": stripes,
+                "switch_ms": switch_ms,
+                "payload_bytes": total,
+                "threads": best["threads"],
+                "procs": best["procs"],
+                "threads_vs_procs": round(best["threads"]["gbps"] / best["procs"]["gbps"], 3),
+            }
+            text = json.dumps(line, sort_keys=True)
+            print(text, flush=True)
+            if args.out:
+                with open(args.out, "a") as fh:
+                    fh.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
