@@ -20,7 +20,8 @@ both run by this script in the same run (``--no-peers`` skips them).
 
 CPU: each measured handoff request also reports the CPU seconds (user + system, from
 /proc) the producer and receiver daemons spent on it -- from the request until both went
-idle again, so the producer's remembering after its answer counts -- and
+idle again, so the producer's remembering after its answer counts -- with their system
+part (``*_sys_cpu_s``: fresh pages faulted in show there), and
 ``cpu_vs_procs_one_stripe``: both daemons' CPU per payload byte over bench_handoff_procs'
 sender + receiver CPU per byte at one stripe. On a shared small host, where other jobs move
 the Gbps figures, this ratio is the steadier one.
@@ -272,6 +273,16 @@ def _cpu_s(pid: int) -> float:
         return 0.0
 
 
+def _sys_s(pid: int) -> float:
+    """System CPU seconds of a process so far (page faults, zero-filling, socket work)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+        return int(fields[12]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
 def _settle(pids: list[int], quiet_s: float = 0.3, limit_s: float = 60.0) -> list[float]:
     """Wait until the processes are idle (under 20 ms of CPU in ``quiet_s``); their CPU."""
     end = time.monotonic() + limit_s
@@ -305,8 +316,10 @@ def bench_handoff(args, sock: str, engine, out: str | None, pids: list[int] | No
             # node's live session (prompt + the previous request's next token) is then no
             # prefix of it, so every measured request takes a full transfer, never local reuse
             cpu0 = _settle(pids or [])
+            sys0 = [_sys_s(p) for p in pids or []]
             dt, res = _request(sock, prompt + [100 + k * args.repeat + rep, 7], 1, stripes)
             cpu = [b - a for a, b in zip(cpu0, _settle(pids or []))]
+            cpu += [_sys_s(p) - a for p, a in zip(pids or [], sys0)]
             t = res.get("transfer") or {}
             if not t.get("payload_bytes") or (res.get("plan") or {}).get("action") not in (None, "full_transfer"):
                 raise RuntimeError(f"request {k}/{rep} was not a full transfer: plan {res.get('plan')}")
@@ -332,6 +345,9 @@ def bench_handoff(args, sock: str, engine, out: str | None, pids: list[int] | No
                 "phases_s": runs[len(runs) // 2][5],  # where the request's time went (one run)
                 "producer_cpu_s": round(statistics.median(r[6][0] for r in runs), 3) if pids else None,
                 "receiver_cpu_s": round(statistics.median(r[6][1] for r in runs), 3) if pids else None,
+                # the system part of each (fresh pages faulted in show here)
+                "producer_sys_cpu_s": round(statistics.median(r[6][2] for r in runs), 3) if pids else None,
+                "receiver_sys_cpu_s": round(statistics.median(r[6][3] for r in runs), 3) if pids else None,
                 "segments_in_place": (res.get("transfer") or {}).get("segments_in_place"),
                 "engine": args.engine,
                 "tile_bytes": geometry.tile_bytes(256),

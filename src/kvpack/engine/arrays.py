@@ -79,6 +79,10 @@ class PlanePool:
         self.held_bytes = 0
         self.reused = 0  # planes carved from a recycled root
         self.made = 0  # roots allocated
+        # the count of a root only the pool's list holds, read the way empty() reads it
+        # (measured, not assumed: interpreters differ in the references a call adds)
+        probe = [np.empty(1, np.uint8)]
+        self._idle_refs = sys.getrefcount(probe[0])
 
     @staticmethod
     def size_class(nbytes: int) -> int:
@@ -95,8 +99,7 @@ class PlanePool:
         with self._lock:
             roots = self._roots.setdefault(size, [])
             for i in range(len(roots)):
-                # 2: the list's reference and getrefcount's argument -- no view exists
-                if sys.getrefcount(roots[i]) == 2:
+                if sys.getrefcount(roots[i]) == self._idle_refs:  # no view of it exists
                     self.reused += 1
                     return roots[i][:nbytes].reshape(shape)
             if self.held_bytes + size > self.limit_bytes:
