@@ -222,3 +222,20 @@ def test_wave_slices_are_read_in_wave_order(eng, tmp_path, monkeypatch):
     assert len(rows) == report.phases["device_waves"] > WAVES
     done = [row["reads_done"] for row in sorted(rows, key=lambda row: row["wave"])]
     assert done == sorted(done)
+
+
+@pytest.mark.parametrize("mode", ["never", "always"])
+def test_waves_verified_wholly_on_the_host_queue_no_hashing(eng, tmp_path, monkeypatch, mode):
+    """The host tail's waves (every chunk verified on the host) are uploaded but hash no job
+    rows; the device's waves hash all of theirs."""
+    calls: list[int] = []
+    real = device_verify.hash_jobs_on_host
+    monkeypatch.setattr(device_verify, "hash_jobs_on_host", lambda table, count: calls.append(count) or real(table, count))
+    s, tokens, store = _saved(eng, tmp_path, n=500, seed=10)
+    store.read_processes, store.device_host_tail = mode, 7
+    r = eng.new_session()
+    report = store.restore(store.find_deepest(tokens, eng.layout, eng.ids()), r, tokens)
+    device_waves = -(-(report.chunks_verified - 7) // WAVE_CHUNKS)
+    assert len(calls) == report.phases["device_waves"] == device_waves + 2
+    assert sum(calls) == 2 * (report.chunks_verified - 7) and calls.count(0) == 2
+    assert r.cache_digest() == s.cache_digest()

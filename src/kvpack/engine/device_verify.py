@@ -207,6 +207,7 @@ class Wave:
         self.installed: Any = torch.cuda.Event() if cuda else None
         self._installed_pending = False
         self._launched = False
+        self._hashed_jobs = 0  # job rows the last launch hashed
         self._host_digests = b""
 
     # -- step 0: the layout of this wave ------------------------------------------------------
@@ -243,13 +244,16 @@ class Wave:
         return self.segment, self.base, self.table_at, self.heads_at, self.dev_base, self.heads_base
 
     # -- step 2: upload and hashing ----------------------------------------------------------
-    def launch(self) -> None:
+    def launch(self, hash_jobs: bool = True) -> None:
         """Upload the packed slots (one host-to-device copy) and queue the hashes of every
-        job row. Every read of the wave must have finished."""
+        job row. Every read of the wave must have finished. ``hash_jobs=False``: every chunk
+        of the wave was verified on the host (a host tail, an encrypted store), so no kernel
+        and no digest copy are queued; :meth:`digests` is then all zeros."""
         torch = _torch()
-        jobs = 2 * self.count
+        jobs = 2 * self.count if hash_jobs else 0
         nbytes = self.used_bytes
         self._launched = True
+        self._hashed_jobs = jobs
         if not self.ring.cuda:
             self.dev[:nbytes].copy_(self.host[:nbytes])
             self._host_digests = b"".join(hash_jobs_on_host(self.table_np, jobs))
@@ -280,6 +284,8 @@ class Wave:
     def digests(self) -> bytes:
         """The 32-byte digests of the job rows, concatenated in row order (waits for the
         kernel): object ``i``'s at ``64 i``, its content's at ``64 i + 32``."""
+        if not self._hashed_jobs:
+            return bytes(64 * self.count)  # nothing hashed: digests no check can accept
         if not self.ring.cuda:
             return self._host_digests
         self.hashed.synchronize()

@@ -709,7 +709,8 @@ class DeviceVerifiedPipeline:
         self.spent["device_wait_reads_s"] += t1 - t0
         if self.timeline is not None:
             self.timeline.launching(wave)
-        wave.launch()
+        # a wave verified wholly on the host (host tail, encrypted chunks) queues no kernel
+        wave.launch(hash_jobs=any(r is not None for f in futs for r in f.result()))
         if self.timeline is not None:
             self.timeline.launched(wave)
         self.launched.append(entry)
