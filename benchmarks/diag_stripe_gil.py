@@ -16,7 +16,9 @@ node's loop shape (one ``recv_into`` per TLS record into a reused 1 MiB buffer) 
 receiving process. One JSON line per (mode, stripes, switch): aggregate Gbps, the
 receivers' CPU seconds per GiB, ``first_stream_done_share`` (when the first stream finished,
 as a share of the whole: near 1 when the streams share the host fairly, near 1/N when they
-take turns) and ``threads_vs_procs`` (threads' Gbps over procs' Gbps, same run).
+take turns) and ``threads_vs_procs`` (threads' Gbps over procs' Gbps, same run); and, with no
+network at all, ``sha256_pieces``: N threads vs N processes hashing in 16 KiB calls (one TLS
+record's worth of GIL-free work between two GIL retakes) and in 1 MiB calls (the contrast).
 
     python benchmarks/diag_stripe_gil.py --mib 512 --stripes 1,4          # 2-core box
     python benchmarks/diag_stripe_gil.py --mib 4096 --stripes 1,2,4,8     # H200 host
@@ -25,6 +27,7 @@ take turns) and ``threads_vs_procs`` (threads' Gbps over procs' Gbps, same run).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import multiprocessing as mp
 import os
@@ -131,6 +134,36 @@ def _sender_proc(port: int, share: int, client_ep, events, start) -> None:
         events.put(("error", traceback.format_exc()))
 
 
+def _hash_pieces(total: int, piece: int, start) -> None:
+    buf = memoryview(bytearray(piece))
+    h = hashlib.sha256()
+    start.wait()  # a barrier: every worker ready, and the parent's clock starts
+    for _ in range(total // piece):
+        h.update(buf)  # hashlib releases the GIL for each piece (over 2 KiB)
+
+
+def short_releases(ctx, workers: int, total: int, piece: int) -> dict:
+    """No network: ``workers`` threads vs processes each hashing ``total`` bytes in calls of
+    ``piece`` bytes -- a 16 KiB piece is one TLS record's worth of GIL-free C work between two
+    GIL retakes, as the receiver's ``recv_into`` loop; 1 MiB pieces are the contrast. Timed
+    from a start signal the workers wait for (process start-up is not counted)."""
+    out = {}
+    for mode in ("threads", "procs"):
+        start = threading.Barrier(workers + 1) if mode == "threads" else ctx.Barrier(workers + 1)
+        if mode == "threads":
+            runners = [threading.Thread(target=_hash_pieces, args=(total, piece, start)) for _ in range(workers)]
+        else:
+            runners = [ctx.Process(target=_hash_pieces, args=(total, piece, start)) for _ in range(workers)]
+        for r in runners:
+            r.start()
+        start.wait(TIMEOUT_S)
+        t0 = time.perf_counter()
+        for r in runners:
+            r.join()
+        out[mode] = workers * total / (time.perf_counter() - t0) / 1e9
+    return {"threads_gbs": round(out["threads"], 3), "procs_gbs": round(out["procs"], 3), "threads_vs_procs": round(out["threads"] / out["procs"], 3)}
+
+
 def one(ctx, mode: str, stripes: int, total: int, endpoints, switch_s: float) -> dict:
     server_ep, client_ep = endpoints
     share = total // stripes
@@ -203,8 +236,10 @@ def main(argv=None) -> int:
                     r = one(ctx, mode, stripes, total, endpoints, switch_ms / 1000.0)
                     if mode not in best or r["gbps"] > best[mode]["gbps"]:
                         best[mode] = r
+            hashing = {f"{piece >> 10}k": short_releases(ctx, stripes, 256 << 20, piece) for piece in (16 << 10, 1 << 20)}
             line = {
                 "bench": "diag_stripe_gil",
+                "sha256_pieces": hashing,
                 "cpus": os.cpu_count(),
                 "stripes": stripes,
                 "switch_ms": switch_ms,
