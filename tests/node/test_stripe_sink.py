@@ -286,3 +286,50 @@ def test_the_receiver_reads_segments_into_the_install_and_a_tampered_one_install
     assert install.state == "aborted" and install._planes == {}  # released with the refusal
     assert session.position == 0 and not shared.committed
     assert ("reserve", 1) not in ledger.calls
+
+
+def test_striped_installs_into_recycled_planes_hold_exactly_each_transfers_rows():
+    """With the arrays engine's plane pool on (every plane pooled), the third striped install
+    of a session is written into the planes of the first (the session moved on from them),
+    by two stripes at once, and holds exactly that transfer's rows; a view of the second
+    transfer's rows taken before keeps its bytes."""
+    from kvpack.engine.arrays import PlanePool
+
+    engine = ArrayEngine(array_layout(layers=2, kv_heads=1, head_dim=4))
+    engine.planes = PlanePool(1 << 30, min_bytes=1)
+    session = engine.new_session()
+    kept = None
+    for round_ in range(3):
+        reference = engine.new_session()
+        reference.prefill([100 * round_ + t for t in range(1, ROWS + 1)])
+        shared = SharedInstall(
+            2,
+            lambda m, cut: session.begin_install(m.position, list(m.prompt_token_ids), engine.identity),
+            lambda install, rows, payload: install.write_rows(rows[0], rows[1], rows[2], payload),
+            time.monotonic() + 30,
+        )
+        with ThreadPoolExecutor(4) as pool:
+            sinks = [StripeSink(shared, i, pool) for i in range(2)]
+            for sink in sinks:
+                sink.begin(_Manifest, 0)
+
+            def run(sink, i, reference=reference) -> None:
+                for rows, payload in _pieces(reference, i, 2):
+                    sink.write_segment(rows, payload)
+                sink.prepare()
+                sink.commit()
+
+            threads = [threading.Thread(target=run, args=(sink, i)) for i, sink in enumerate(sinks)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(10)
+        assert shared.committed
+        for layer in (0, 1):
+            for role in ("k", "v"):
+                assert bytes(session.export_rows(layer, role, 0, ROWS)) == bytes(reference.export_rows(layer, role, 0, ROWS))
+        if round_ == 1:
+            kept = (session.export_rows(1, "v", 0, ROWS), bytes(reference.export_rows(1, "v", 0, ROWS)))
+        del shared, sinks, threads
+    assert engine.planes.stats()["reused"] == 4  # the third install took the first one's 4 planes
+    assert kept is not None and bytes(kept[0]) == kept[1]
