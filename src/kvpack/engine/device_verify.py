@@ -50,14 +50,15 @@ from .lazy_torch import load_torch as _torch
 PLAINTEXT_OFFSET = C.HEADER_BYTES + C.CODEC_FRAME_HEADER_BYTES
 #: Streams a ring spreads its waves over (the default number of CUDA hardware queues).
 MAX_STREAMS = 8
-#: Where the kernel writes a wave's digests: "copy" (device memory, then a device-to-host
-#: copy queued after the kernel on the wave's stream) or "mapped" (straight into the wave's
-#: pinned host rows, which CUDA maps into the device's address space: no copy queued behind
-#: the kernel). On the H200 at most 4 waves hashed at once with "copy", each wave's upload
-#: starting when the digests of the wave 4 before it were back (a digest copy waiting for its
-#: kernel holds the copy queue it shares): "mapped" is the experiment that removes that
-#: copy (KVPACK_DIGESTS; docs/benchmarks.md says what to measure).
-DIGESTS = os.environ.get("KVPACK_DIGESTS", "copy")
+#: Where the kernel writes a wave's digests: "mapped" (the default: straight into the wave's
+#: pinned host rows, which CUDA maps into the device's address space, zeroed before each
+#: launch so a kernel that wrote nothing can only fail the checks) or "copy" (device memory,
+#: then a device-to-host copy queued after the kernel on the wave's stream). With "copy" on
+#: the H200 at most 4 waves hashed at once: a digest copy waiting for its kernel held the copy
+#: queue it shares, so wave k+4's upload started only when wave k's digests were back
+#: (8k restore 0.177 s copy vs 0.130 s mapped, 32k 0.271 vs 0.236, one run, medians of 5;
+#: docs/benchmarks.md). KVPACK_DIGESTS=copy selects the old way.
+DIGESTS = os.environ.get("KVPACK_DIGESTS", "mapped")
 
 
 def slot_bytes(object_bytes: int, plaintext_bytes: int) -> int:
