@@ -61,6 +61,21 @@ import bench_handoff_procs  # benchmarks/ is on sys.path when run as a script
 from bench_handoff_procs import make_pki
 
 
+def add_model_arguments(ap) -> None:
+    """The random Llama-3-8B-shaped model's options (build_model reads them); shared with the
+    diagnostics that build the same model."""
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="f16", choices=["f16", "bf16", "f32"])
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--intermediate", type=int, default=14336)
+    ap.add_argument("--vocab", type=int, default=128256)
+    ap.add_argument("--seed", type=int, default=0)
+
+
 def _emit(line: dict, out: str | None) -> None:
     text = json.dumps(line, sort_keys=True)
     print(text, flush=True)
@@ -506,16 +521,7 @@ def bench_handoff_processes(args, payload_info, out: str | None) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", default="8192,32768,131072")
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--dtype", default="f16", choices=["f16", "bf16", "f32"])
-    ap.add_argument("--layers", type=int, default=32)
-    ap.add_argument("--hidden", type=int, default=4096)
-    ap.add_argument("--heads", type=int, default=32)
-    ap.add_argument("--kv-heads", type=int, default=8)
-    ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--intermediate", type=int, default=14336)
-    ap.add_argument("--vocab", type=int, default=128256)
-    ap.add_argument("--seed", type=int, default=0)
+    add_model_arguments(ap)
     ap.add_argument("--repeat", type=int, default=2, help="warm restores (and ceiling passes) per length")
     ap.add_argument("--workers", type=int, default=os.cpu_count(), help="store verify/hash threads")
     ap.add_argument("--store-dir", default=None, help="where the stores go (default: a temp dir)")

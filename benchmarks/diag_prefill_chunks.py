@@ -23,11 +23,10 @@ choices can change with shapes this run does not cover.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 
-from bench_gpu import build_model
+from bench_gpu import _emit, add_model_arguments, build_model
 
 
 def _planes(session, torch):
@@ -49,16 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", default="32768")
     ap.add_argument("--chunks", default="256,1024,2048,4096")
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--dtype", default="f16", choices=["f16", "bf16", "f32"])
-    ap.add_argument("--layers", type=int, default=32)
-    ap.add_argument("--hidden", type=int, default=4096)
-    ap.add_argument("--heads", type=int, default=32)
-    ap.add_argument("--kv-heads", type=int, default=8)
-    ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--intermediate", type=int, default=14336)
-    ap.add_argument("--vocab", type=int, default=128256)
-    ap.add_argument("--seed", type=int, default=0)
+    add_model_arguments(ap)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     args.tokens = [int(x) for x in args.tokens.split(",") if x]
@@ -74,13 +64,6 @@ def main(argv: list[str] | None = None) -> int:
     warm = engine.new_session()
     warm.prefill([3 + i % (args.vocab - 3) for i in range(1024)])
     del warm
-
-    def emit(line: dict) -> None:
-        text = json.dumps(line, sort_keys=True)
-        print(text, flush=True)
-        if args.out:
-            with open(args.out, "a") as f:
-                f.write(text + "\n")
 
     for n in args.tokens:
         tokens = [3 + (i * 7919) % (args.vocab - 3) for i in range(n)]
@@ -122,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
                 line["logits_identical"] = bool(torch.equal(base_logits, s.last_logits))
                 line["first_differing_layer"] = first
                 del s
-            emit(line)
+            _emit(line, args.out)
         del base, base_logits, base_session
         engine.prefill_chunk_tokens = 256
         torch.cuda.empty_cache() if args.device.startswith("cuda") else None

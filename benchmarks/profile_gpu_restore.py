@@ -19,7 +19,6 @@ save. The first restore of every variant is checked bit for bit against the inst
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -101,7 +100,7 @@ def main() -> None:
     args = ap.parse_args()
     import torch
 
-    from bench_gpu import build_model, planes_equal  # the benchmark's own model builder
+    from bench_gpu import _emit, build_model, planes_equal  # the benchmark's own model builder
 
     from kvpack.engine import device_verify
     from kvpack.engine.transformers_adapter import TransformersEngine
@@ -129,11 +128,7 @@ def main() -> None:
             torch.cuda.synchronize()
 
     def emit(line: dict) -> None:
-        text = json.dumps(line, sort_keys=True)
-        print(text, flush=True)
-        if args.out:
-            with open(args.out, "a") as fh:
-                fh.write(text + "\n")
+        _emit(line, args.out)
 
     warm, wtokens = random_session(engine, 1024, 1)  # pins the ring, compiles the kernel
     wstore = PackStore.init(os.path.join(root, "warm"))
