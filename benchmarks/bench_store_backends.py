@@ -47,6 +47,7 @@ import hmac
 import json
 import os
 import platform
+import resource
 import secrets
 import shutil
 import statistics
@@ -133,6 +134,21 @@ class RequestCounter:
 
 def _median(values: list[float]) -> float:
     return statistics.median(values)
+
+
+def _cpu_seconds(server=None) -> tuple[float, float]:
+    """CPU seconds (user + system) used so far by this process (every thread) and by the S3
+    server's process (0 without one): where a save or a restore spends the machine."""
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    theirs = 0.0
+    if server is not None and server.proc is not None:
+        try:
+            with open(f"/proc/{server.proc.pid}/stat") as fh:
+                fields = fh.read().rpartition(")")[2].split()
+            theirs = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, ValueError, IndexError):
+            pass
+    return ru.ru_utime + ru.ru_stime, theirs
 
 
 class Case:
@@ -224,13 +240,25 @@ class Case:
         return time.perf_counter() - t0
 
 
-def _measure(case: Case, eng: ArrayEngine, tokens: list[int], chunk_bytes: int, repeat: int) -> dict:
+def _measure(case: Case, eng: ArrayEngine, tokens: list[int], chunk_bytes: int, repeat: int, save_writers: list[int] = ()) -> dict:
     src = eng.new_session()
     src.prefill(tokens)
     names = ("save", "restore_warm", "restore_cold", "write", "read_warm", "read_cold", "hash", "hash_one_pass")
     names += ("read_sha256_warm", "read_sha256_cold", "read_verify_warm", "read_verify_cold", "hash_write")
     t: dict[str, list[float]] = {name: [] for name in names}
     requests: dict[str, dict[str, int]] = {}
+    phases: dict[str, list[dict[str, float]]] = {"save": [], "restore_warm": [], "restore_cold": []}
+    cpu: dict[str, list[tuple[float, float]]] = {}
+    by_writers: dict[int, list[float]] = {w: [] for w in save_writers}
+
+    def timed_cpu(name: str, fn, *args, **kw):
+        """``fn(*args, **kw)``, its CPU seconds (this process, the server) kept under ``name``."""
+        before = _cpu_seconds(case.server)
+        result = fn(*args, **kw)
+        after = _cpu_seconds(case.server)
+        cpu.setdefault(name, []).append((after[0] - before[0], after[1] - before[1]))
+        return result
+
     verify_kind = "one_pass" if RestoreTuning().one_pass_block else "both"  # as the host restore hashes
     nbytes = 0
     for _ in range(repeat):
@@ -238,9 +266,17 @@ def _measure(case: Case, eng: ArrayEngine, tokens: list[int], chunk_bytes: int, 
         store.workers = case.threads
         case.requests.take()
         t0 = time.perf_counter()
-        report = store.save(src)
+        report = timed_cpu("save", store.save, src)
         t["save"].append(time.perf_counter() - t0)
+        phases["save"].append(report.phases)
         requests["save"] = case.requests.take()
+        for writers in save_writers:  # the same save into a fresh store on another writer count
+            other = case.new_store(chunk_bytes)
+            other.workers, other.save_writers = case.threads, writers
+            t0 = time.perf_counter()
+            other.save(src)
+            by_writers[writers].append(time.perf_counter() - t0)
+            case.requests.take()
         chunk_names = [i.name for i in store.env.list("chunks/")]
         objects = [store.env.read(n) for n in chunk_names]
         nbytes = sum(len(o) for o in objects)
@@ -250,18 +286,19 @@ def _measure(case: Case, eng: ArrayEngine, tokens: list[int], chunk_bytes: int, 
                 _drop_cache(case.cache_root(store))
             live = eng.new_session()
             case.requests.take()
-            r = store.restore(hit, live, tokens)
+            r = timed_cpu(into, store.restore, hit, live, tokens)
             requests[into] = case.requests.take()
             t[into].append(r.seconds)
+            phases[into].append(r.phases)
         assert live.cache_digest() == src.cache_digest() and report.chunks_written == len(objects)
         case.requests.take()
-        t["write"].append(case.raw_write(objects))
+        t["write"].append(timed_cpu("write_ceiling", case.raw_write, objects))
         requests["write_ceiling"] = case.requests.take()
         t["hash_write"].append(case.raw_write(objects, hash_kind="both"))
         case.requests.take()
         t["read_cold"].append(case.raw_read(len(objects), cold=True))
         requests["read_ceiling"] = case.requests.take()
-        t["read_warm"].append(case.raw_read(len(objects), cold=False))
+        t["read_warm"].append(timed_cpu("read_warm_ceiling", case.raw_read, len(objects), cold=False))
         for kind, label in (("sha256", "read_sha256"), (verify_kind, "read_verify")):
             t[label + "_cold"].append(case.raw_read(len(objects), cold=True, hash_kind=kind))
             t[label + "_warm"].append(case.raw_read(len(objects), cold=False, hash_kind=kind))
@@ -311,6 +348,16 @@ def _measure(case: Case, eng: ArrayEngine, tokens: list[int], chunk_bytes: int, 
     }
     out["goals"] = {name: {"ratio": out[ratio], "ceiling": ceiling, "met": out[ratio] >= GOAL} for name, (ratio, ceiling) in goals.items()}
     out["verify_bound_warm_gbps"] = out["read_verify_warm_ceiling_gbps"]
+    # where the time of a save / restore went (medians per step, seconds)
+    out["phases_s"] = {name: {k: round(_median([p[k] for p in runs]), 4) for k in runs[0]} for name, runs in phases.items() if runs and runs[0]}
+    # CPU seconds per GB moved: this process (client) and, for S3, the server's process
+    out["cpu_s_per_gb"] = {
+        name: {"client": round(_median([c for c, _s in runs]) / gb, 3), "server": round(_median([sv for _c, sv in runs]) / gb, 3)} for name, runs in cpu.items()
+    }
+    if by_writers:
+        # save GB/s by chunk-writing threads (the default is 2 x threads)
+        out["save_gbps_by_writers"] = {str(w): round(gb / _median(v), 3) for w, v in by_writers.items()}
+        out["save_gbps_by_writers"][f"{2 * case.threads} (default)"] = out["save_gbps"]
     if case.name == "s3":
         out["requests"] = requests  # of the last repeat
     return out
@@ -323,6 +370,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=max(2, os.cpu_count() or 1))
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--backends", default="posix,s3")
+    ap.add_argument(
+        "--save-writers",
+        default="",
+        help="comma-separated chunk-writing thread counts to time one more save at each (the default save uses 2 x threads); empty: none",
+    )
     args = ap.parse_args()
 
     layout = array_layout(layers=8, kv_heads=8, head_dim=32, dtype="f32", vocab=256)
@@ -355,7 +407,8 @@ def main() -> None:
                 line["server"] = "seaweedfs (weed server -s3) on loopback"
             work = os.path.join(tmp, name)
             os.makedirs(work)
-            line[name] = _measure(Case(name, work, args.threads, server), eng, tokens, args.chunk_mib << 20, args.repeat)
+            writers = [int(w) for w in args.save_writers.split(",") if w]
+            line[name] = _measure(Case(name, work, args.threads, server), eng, tokens, args.chunk_mib << 20, args.repeat, writers)
     finally:
         if server is not None:
             server.stop()

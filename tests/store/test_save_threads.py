@@ -93,3 +93,32 @@ def test_a_failed_chunk_write_refuses_the_save_and_returns_every_buffer(tmp_path
     assert names(clean, "index/") == before
     assert clean.verify(read_data=True)["ok"]
     assert clean.find_deepest(TOKENS[:768], eng.layout, eng.ids()).cut == 512
+
+
+def test_save_writers_sets_the_writing_threads_and_the_report_times_each_step(tmp_path, monkeypatch):
+    from kvpack.store import publish
+
+    eng = engine()
+    session = session_with(eng, TOKENS[:768])
+    store = new_store(tmp_path, root_key_file=str(tmp_path / "root.key"))
+    store.workers = 3
+    store.save_writers = 2
+    assert save_threads(store) == 2
+    writers: set[str] = set()
+    real = publish._store_chunk
+
+    def recording(*args, **kw):
+        writers.add(threading.current_thread().name)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(publish, "_store_chunk", recording)
+    report = store.save(session)
+    # every chunk written, on at most two threads (an idle one is reused before another starts)
+    assert report.chunks_written > 2 and 1 <= len(writers) <= 2
+    assert set(report.phases) == {"lookup_s", "plan_s", "chunks_s", "durable_s", "commit_s"}
+    assert all(v >= 0 for v in report.phases.values()) and sum(report.phases.values()) == pytest.approx(report.seconds)
+    store.save_writers = None
+    assert save_threads(store) == 6
+    live = eng.new_session()
+    store.restore(store.find_deepest(TOKENS[:768], eng.layout, eng.ids()), live, TOKENS[:768])
+    assert live.cache_digest() == session.cache_digest()

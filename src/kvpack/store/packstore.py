@@ -102,6 +102,11 @@ class SaveReport:
     bytes_written: int = 0
     plaintext_bytes: int = 0
     seconds: float = 0.0
+    #: seconds of the save's steps: ``lookup_s`` (lease, gc epoch, the cut's own index
+    #: entry), ``plan_s`` (the parent pick: one index read per 256-token node on a miss),
+    #: ``chunks_s`` (hash, encode, write every chunk), ``durable_s`` (chunk directory, pack,
+    #: logits), ``commit_s`` (the index entry); empty for an ``existing`` cut
+    phases: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -240,6 +245,9 @@ class PackStore:
         #: restores of this handle that ended as a :class:`CutWithdrawn` miss (a counter
         #: for the daemons' and the benchmarks' reports; never reset here)
         self.withdrawn_restores = 0
+        #: threads a save writes chunk objects on (None: ``2 * workers``, see
+        #: :func:`kvpack.store.publish.save_threads`); benchmarks compare counts with it
+        self.save_writers: int | None = None
 
     @property
     def ops(self) -> FileOps:

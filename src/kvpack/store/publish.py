@@ -103,8 +103,11 @@ def _save_once(
             existing = None  # malformed: the commit below replaces it
         if existing is not None and store._complete(existing):
             return SaveReport(existing.hex(), cut, "existing", -1, seconds=time.perf_counter() - t0)
+        t_lookup = time.perf_counter()
         schema, report = _plan(store, chain, ctx, cut, max_delta_depth, lease)
+        t_plan = time.perf_counter()
         refs = _write_chunks(store, session, ctx, schema, report, cut)
+        t_chunks = time.perf_counter()
         payload = tuple(PayloadState(fs.key, tuple(refs[fs.key])) for fs in ctx.family.states)
         manifest = Manifest(store.tenant, store.epoch, semantic_id(ids), InputCutId(node.node_id, ctx.aux_root, cut), ctx.family, schema, payload)
         mbytes = manifest.encode()
@@ -116,6 +119,7 @@ def _save_once(
             store,
             (lambda: store.env.commit("chunks/"), lambda: store.env.write(pack_name(mid), pack), lambda: store.env.write(logits_name(mid), lobj)),
         )
+        t_durable = time.perf_counter()
         _check_young(store, started)
         lease.check()
         committed = _commit_safely(store, lease, seen, node.node_id, mid, started)
@@ -124,6 +128,13 @@ def _save_once(
         report.kind = "existing"  # a concurrent publisher committed this cut first
     report.bytes_written += len(pack) + len(lobj)
     report.seconds = time.perf_counter() - t0
+    report.phases = {
+        "lookup_s": t_lookup - t0,
+        "plan_s": t_plan - t_lookup,
+        "chunks_s": t_chunks - t_plan,
+        "durable_s": t_durable - t_chunks,
+        "commit_s": t0 + report.seconds - t_durable,
+    }
     return report
 
 
@@ -313,8 +324,11 @@ def save_threads(store: PackStore) -> int:
     so the disk always has as many objects in flight as in the store's plain write pattern,
     while ``store.workers`` more threads hash and encode the next chunks ahead of them
     (hashlib and the AEAD release the GIL on large buffers, and so do the system calls).
-    One worker means one thread doing both: the crash tests number the steps of a save."""
-    return 1 if store.workers <= 1 else 2 * store.workers
+    One worker means one thread doing both: the crash tests number the steps of a save.
+    ``store.save_writers`` sets another count (above one worker)"""
+    if store.workers <= 1:
+        return 1
+    return max(1, store.save_writers) if store.save_writers else 2 * store.workers
 
 
 def _write_chunks(store: PackStore, session: Any, ctx: _Context, schema: Any, report: SaveReport, cut: int) -> dict:
