@@ -18,6 +18,9 @@ fresh session. Modes (``--modes``, comma-separated):
   round trips on many cores;
 * ``fresh_planes``: worker installs into an engine whose plane pool is off, so the copy
   faults in fresh pages as before 87dd208 (the pool's share);
+* ``switch_0_5ms``: worker installs with ``sys.setswitchinterval(0.0005)`` (default 5 ms):
+  a thread back from a GIL-free call (read, hash, copy) waits at most that long for a
+  thread running Python to hand the GIL over -- whether GIL hand-offs pace 16 workers;
 * ``read_verify``: each object read whole, then SHA-256 and HMAC-SHA-256 over it, one call
   each (the verification-bound ceiling ``bench_store_backends`` reports);
 * ``read_verify_copy``: the same, then the plaintext copied to its own offset of one
@@ -44,6 +47,7 @@ import os
 import resource
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -54,7 +58,16 @@ from kvpack.engine.arrays import ArrayEngine, array_layout
 from kvpack.format import constants as C
 from kvpack.store import PackStore
 
-MODES = ("workers_install", "restoring_thread_installs", "one_pass_256k", "one_pass_1m", "fresh_planes", "read_verify", "read_verify_copy")
+MODES = (
+    "workers_install",
+    "restoring_thread_installs",
+    "one_pass_256k",
+    "one_pass_1m",
+    "fresh_planes",
+    "switch_0_5ms",
+    "read_verify",
+    "read_verify_copy",
+)
 #: what each restore mode sets on the store's RestoreTuning (one_pass_block None: the default)
 _TUNING = {
     "workers_install": (True, None),
@@ -62,6 +75,7 @@ _TUNING = {
     "one_pass_256k": (True, 256 << 10),
     "one_pass_1m": (True, 1 << 20),
     "fresh_planes": (True, None),
+    "switch_0_5ms": (True, None),
 }
 
 
@@ -123,6 +137,7 @@ def main() -> None:
         gib = nbytes / (1 << 30)
         dest = np.ones((len(paths), max(os.path.getsize(p) for p in paths)), np.uint8)  # pre-faulted
         default_block = store.tuning.one_pass_block
+        switch = sys.getswitchinterval()
         out: dict = {"bench": "diag_restore_install", "tokens": args.tokens, "object_bytes": nbytes, "objects": len(paths), "cpus": os.cpu_count()}
         out["default_one_pass_block"] = default_block
         out["load_1m_start"] = round(os.getloadavg()[0], 2)
@@ -132,6 +147,9 @@ def main() -> None:
             seconds: dict[str, list[float]] = {m: [] for m in modes}
             usage: dict[str, list[tuple[float, ...]]] = {m: [] for m in modes}
             _read_verify_seconds(paths, threads)  # warm the page cache and the pool's code paths
+            live = eng.new_session()
+            store.restore(hit, live, tokens)  # untimed: the plane pool's roots are made (faulted) here
+            del live
             for _ in range(args.restores):
                 for mode in modes:
                     before = _usage()
@@ -142,7 +160,12 @@ def main() -> None:
                         store.tuning.worker_installs = on_workers
                         store.tuning.one_pass_block = default_block if block is None else block
                         live = (fresh_eng if mode == "fresh_planes" else eng).new_session()
-                        seconds[mode].append(store.restore(hit, live, tokens).seconds)
+                        if mode == "switch_0_5ms":
+                            sys.setswitchinterval(0.0005)
+                        try:
+                            seconds[mode].append(store.restore(hit, live, tokens).seconds)
+                        finally:
+                            sys.setswitchinterval(switch)
                         del live
                     usage[mode].append(tuple(b - a for a, b in zip(before, _usage())))
             row: dict = {}
