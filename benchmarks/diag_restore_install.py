@@ -46,6 +46,7 @@ import json
 import os
 import resource
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -134,64 +135,82 @@ def main() -> None:
         chunk_dir = os.path.join(store.path, "chunks")
         paths = [os.path.join(dirpath, n) for dirpath, _d, files in os.walk(chunk_dir) for n in files if not n.startswith(".")]
         nbytes = sum(os.path.getsize(p) for p in paths)
-        gib = nbytes / (1 << 30)
         dest = np.ones((len(paths), max(os.path.getsize(p) for p in paths)), np.uint8)  # pre-faulted
-        default_block = store.tuning.one_pass_block
-        switch = sys.getswitchinterval()
         out: dict = {"bench": "diag_restore_install", "tokens": args.tokens, "object_bytes": nbytes, "objects": len(paths), "cpus": os.cpu_count()}
-        out["default_one_pass_block"] = default_block
+        out["default_one_pass_block"] = store.tuning.one_pass_block
         out["load_1m_start"] = round(os.getloadavg()[0], 2)
-        rows = {}
-        for threads in (int(t) for t in args.threads.split(",")):
-            store.workers = threads
-            seconds: dict[str, list[float]] = {m: [] for m in modes}
-            usage: dict[str, list[tuple[float, ...]]] = {m: [] for m in modes}
-            _read_verify_seconds(paths, threads)  # warm the page cache and the pool's code paths
-            live = eng.new_session()
-            store.restore(hit, live, tokens)  # untimed: the plane pool's roots are made (faulted) here
-            del live
-            for _ in range(args.restores):
-                for mode in modes:
-                    before = _usage()
-                    if mode.startswith("read_verify"):
-                        seconds[mode].append(_read_verify_seconds(paths, threads, dest if mode == "read_verify_copy" else None))
-                    else:
-                        on_workers, block = _TUNING[mode]
-                        store.tuning.worker_installs = on_workers
-                        store.tuning.one_pass_block = default_block if block is None else block
-                        live = (fresh_eng if mode == "fresh_planes" else eng).new_session()
-                        if mode == "switch_0_5ms":
-                            sys.setswitchinterval(0.0005)
-                        try:
-                            seconds[mode].append(store.restore(hit, live, tokens).seconds)
-                        finally:
-                            sys.setswitchinterval(switch)
-                        del live
-                    usage[mode].append(tuple(b - a for a, b in zip(before, _usage())))
-            row: dict = {}
-            for mode in modes:
-                gbps = round(nbytes / 1e9 / statistics.median(seconds[mode]), 3)
-                per = [statistics.median(u[k] for u in usage[mode]) / gib for k in range(4)]
-                row[mode] = {
-                    "gbps": gbps,
-                    "minflt_per_gib": round(per[0]),
-                    "vol_switches_per_gib": round(per[1]),
-                    "invol_switches_per_gib": round(per[2]),
-                    "cpu_s_per_gib": round(per[3], 3),
-                }
-            for mode in modes:
-                for ceiling in ("read_verify", "read_verify_copy"):
-                    if ceiling in row and mode != ceiling:
-                        row[mode][f"over_{ceiling}"] = round(row[mode]["gbps"] / row[ceiling]["gbps"], 3)
-            rows[str(threads)] = row
-        store.tuning.worker_installs = True
-        store.tuning.one_pass_block = default_block
+        rows: dict = {}
         out["modes"] = rows
+        # a run stopped by `timeout` (SIGTERM) still prints the thread counts it finished
+        signal.signal(signal.SIGTERM, _stop)
+        try:
+            for threads in (int(t) for t in args.threads.split(",")):
+                rows[str(threads)] = _thread_row(store, eng, fresh_eng, hit, tokens, paths, dest, threads, modes, args.restores, nbytes)
+        except _Stopped:
+            out["incomplete"] = "stopped by SIGTERM after the thread counts listed"
+        store.tuning.worker_installs = True
         out["plane_pool"] = eng.planes.stats()
         out["load_1m_end"] = round(os.getloadavg()[0], 2)
         print(json.dumps(out))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+class _Stopped(Exception):
+    pass
+
+
+def _stop(_signum, _frame) -> None:
+    raise _Stopped
+
+
+def _thread_row(store, eng, fresh_eng, hit, tokens, paths, dest, threads: int, modes: list[str], restores: int, nbytes: int) -> dict:
+    """Every mode at ``threads``, interleaved restore by restore: GB/s and usage per GiB."""
+    gib = nbytes / (1 << 30)
+    default_block = store.tuning.one_pass_block
+    switch = sys.getswitchinterval()
+    store.workers = threads
+    seconds: dict[str, list[float]] = {m: [] for m in modes}
+    usage: dict[str, list[tuple[float, ...]]] = {m: [] for m in modes}
+    _read_verify_seconds(paths, threads)  # warm the page cache and the pool's code paths
+    live = eng.new_session()
+    store.restore(hit, live, tokens)  # untimed: the plane pool's roots are made (faulted) here
+    del live
+    for _ in range(restores):
+        for mode in modes:
+            before = _usage()
+            if mode.startswith("read_verify"):
+                seconds[mode].append(_read_verify_seconds(paths, threads, dest if mode == "read_verify_copy" else None))
+            else:
+                on_workers, block = _TUNING[mode]
+                store.tuning.worker_installs = on_workers
+                store.tuning.one_pass_block = default_block if block is None else block
+                live = (fresh_eng if mode == "fresh_planes" else eng).new_session()
+                if mode == "switch_0_5ms":
+                    sys.setswitchinterval(0.0005)
+                try:
+                    seconds[mode].append(store.restore(hit, live, tokens).seconds)
+                finally:
+                    sys.setswitchinterval(switch)
+                del live
+            usage[mode].append(tuple(b - a for a, b in zip(before, _usage())))
+    row: dict = {}
+    for mode in modes:
+        gbps = round(nbytes / 1e9 / statistics.median(seconds[mode]), 3)
+        per = [statistics.median(u[k] for u in usage[mode]) / gib for k in range(4)]
+        row[mode] = {
+            "gbps": gbps,
+            "minflt_per_gib": round(per[0]),
+            "vol_switches_per_gib": round(per[1]),
+            "invol_switches_per_gib": round(per[2]),
+            "cpu_s_per_gib": round(per[3], 3),
+        }
+    for mode in modes:
+        for ceiling in ("read_verify", "read_verify_copy"):
+            if ceiling in row and mode != ceiling:
+                row[mode][f"over_{ceiling}"] = round(row[mode]["gbps"] / row[ceiling]["gbps"], 3)
+    store.tuning.one_pass_block = default_block
+    return row
 
 
 if __name__ == "__main__":
