@@ -95,3 +95,23 @@ def test_first_refusal_in_job_order_wins_and_nothing_is_installed(tmp_path, monk
     assert live.cache_digest() == before and live.tokens == [5] * 300
     # every thread that wrote rows into the (aborted) install has stopped
     assert not any(t.is_alive() for t in recorder.threads if t is not threading.main_thread())
+
+
+@pytest.mark.parametrize(
+    "cpus, workers, concurrent, expected",
+    [(16, 16, True, 15), (16, 32, True, 15), (16, 8, True, 8), (16, 16, False, 16), (2, 2, True, 2), (4, 4, True, 3), (4, 4, False, 4)],
+)
+def test_installing_workers_leave_one_core_to_the_restoring_thread(monkeypatch, cpus, workers, concurrent, expected):
+    """Workers that install take every core but one when they would otherwise take them all
+    (the restoring thread still drains results and raises refusals); a pipeline whose
+    restoring thread installs keeps the configured count."""
+    from dataclasses import replace
+
+    from kvpack.engine.restore import HostPipeline, RestoreTuning
+
+    class Install:
+        concurrent_row_writes = concurrent
+
+    monkeypatch.setattr("os.cpu_count", lambda: cpus)
+    pipeline = HostPipeline(source=None, install=Install(), layout=None, tuning=replace(RestoreTuning(), workers=workers))
+    assert pipeline.threads() == expected
