@@ -28,14 +28,8 @@ else
     GIL_ARGS="--mib 4096 --stripes 1,2,4,8 --switch-ms 5,0.5"
 fi
 export PYTHONPATH="$PWD/src:$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH}"
-if ! python3 -c "import cryptography, fastapi, uvicorn" 2>/dev/null; then
-    WHL=${KVPACK_WHEELS:-.perf/whl}
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/kvpack-site "$WHL"/*.whl || {
-        log "wheels missing in $WHL"
-        exit 2
-    }
-    export PYTHONPATH="$PYTHONPATH:/tmp/kvpack-site"
-fi
+. "$(dirname "$0")/device_wheels.sh"
+ensure_modules "cryptography fastapi uvicorn" || exit 2
 log "bench_nodes $NODES_ARGS"
 timeout 300 python3 benchmarks/bench_nodes.py $NODES_ARGS --out "$OUT/nodes.jsonl" >>"$OUT/nodes.log" 2>&1 || log "bench_nodes rc $?"
 log "diag_stripe_gil $GIL_ARGS"

@@ -46,14 +46,8 @@ else
 fi
 
 export PYTHONPATH="$PWD/src:$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH}"
-if ! python3 -c "import cryptography" 2>/dev/null; then
-    WHL=${KVPACK_WHEELS:-.perf/whl}
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/kvpack-site "$WHL"/*.whl || {
-        log "cryptography missing and no wheels in $WHL"
-        exit 2
-    }
-    export PYTHONPATH="$PYTHONPATH:/tmp/kvpack-site"
-fi
+. "$(dirname "$0")/device_wheels.sh"
+ensure_modules "cryptography" || exit 2
 KVPACK_ROUND_DRY=$DRY python3 - <<'EOF' 2>&1 | tee "$OUT/env.txt" || exit 3
 import os
 import cryptography, kvpack, torch, transformers

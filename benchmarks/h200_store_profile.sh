@@ -33,14 +33,8 @@ else
     DIAG_CHUNKS=256
 fi
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
-if ! python3 -c "import cryptography" 2>/dev/null; then
-    WHL=${KVPACK_WHEELS:-.perf/whl}
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/kvpack-site "$WHL"/*.whl || {
-        echo "cryptography missing and no wheels in $WHL"
-        exit 2
-    }
-    export PYTHONPATH="$PYTHONPATH:/tmp/kvpack-site"
-fi
+. "$(dirname "$0")/device_wheels.sh"
+ensure_modules "cryptography" || exit 2
 SCRATCH=/var/tmp/kvpack-store-profile-$$
 rm -rf "$SCRATCH"
 mkdir -p "$SCRATCH"
