@@ -22,6 +22,12 @@ record's worth of GIL-free work between two GIL retakes) and in 1 MiB calls (the
 
     python benchmarks/diag_stripe_gil.py --mib 512 --stripes 1,4          # 2-core box
     python benchmarks/diag_stripe_gil.py --mib 4096 --stripes 1,2,4,8     # H200 host
+
+``--modes relay`` adds the design of the receiver's TLS front processes: each stream's TLS
+terminated in a process of its own that relays plaintext over AF_UNIX in batches of up to
+1 MiB to threads of one process, which read it with large ``recv_into`` calls;
+``--hash-passes 2`` makes every receiving thread hash what it read twice (the receiver's
+segment hash and running digest), in every mode.
 """
 
 from __future__ import annotations
@@ -54,10 +60,13 @@ def _cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def _receive(chan, share: int) -> None:
-    """The node receiver's read shape: one recv_into per TLS record, a 1 MiB view filled."""
+def _receive(chan, share: int, hash_passes: int = 0) -> None:
+    """The node receiver's read shape: one recv_into per TLS record (or per relayed batch),
+    a 1 MiB view filled, then ``hash_passes`` SHA-256 passes over it (the receiver's segment
+    hash and running digest)."""
     buf = memoryview(bytearray(RECORD_LOOP_BUF))
-    recv_into = chan.sock.recv_into
+    recv_into = chan.sock.recv_into if hasattr(chan, "sock") else chan.recv_into
+    hashers = [hashlib.sha256() for _ in range(hash_passes)]
     left = share
     while left:
         want = min(left, len(buf))
@@ -67,11 +76,109 @@ def _receive(chan, share: int) -> None:
             if not k:
                 raise RuntimeError(f"EOF with {left - got} bytes missing")
             got += k
+        for h in hashers:
+            h.update(buf[:got])
         left -= got
     chan.sendall(b"k")
 
 
-def _receiver_proc(n: int, share: int, server_ep, switch_s: float, ports, events, start) -> None:
+def _relay_proc(path: str, share: int, server_ep, ports, events, start) -> None:
+    """One TLS front: terminates one stream and relays its plaintext over AF_UNIX in
+    batches of up to 1 MiB (the design of the receiver's TLS front processes)."""
+    try:
+        import socket
+
+        ls = tls.listen("127.0.0.1", 0)
+        ports.put(ls.getsockname()[1])
+        chan = tls.accept(ls, server_ep)
+        chan.settimeout(TIMEOUT_S)
+        uds = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        uds.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+        uds.connect(path)
+        uds.settimeout(TIMEOUT_S)
+        events.put(("ready", 1))
+        if not start.wait(TIMEOUT_S):
+            raise RuntimeError("no start")
+        c0 = _cpu()
+        buf = memoryview(bytearray(RECORD_LOOP_BUF))
+        recv_into = chan.sock.recv_into
+        left = share
+        while left:
+            want = min(left, len(buf))
+            got = 0
+            while got < want:
+                k = recv_into(buf[got:want])
+                if not k:
+                    raise RuntimeError("EOF")
+                got += k
+                if not chan.sock.pending():
+                    break  # nothing decrypted waiting: hand over what we have
+            uds.sendall(buf[:got])
+            left -= got
+        if uds.recv(1) != b"k":
+            raise RuntimeError("no ack from the relay's reader")
+        chan.sendall(b"k")
+        events.put(("done", ([], _cpu() - c0)))
+        try:
+            chan.recv(1)
+        except Exception:  # noqa: BLE001 - the peer closing is fine
+            pass
+        chan.close()
+        uds.close()
+    except BaseException:
+        events.put(("error", traceback.format_exc()))
+
+
+def _relay_receiver_proc(n: int, share: int, hash_passes: int, paths, events, start) -> None:
+    """The daemon side of the relay mode: ``n`` threads of one process each reading one
+    relayed stream from AF_UNIX with large recv_into calls."""
+    try:
+        import socket
+
+        tmp = tempfile.mkdtemp(prefix="kvpack-relay-")
+        listeners = []
+        for i in range(n):
+            path = os.path.join(tmp, f"s{i}")
+            ls = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            ls.bind(path)
+            ls.listen(1)
+            listeners.append(ls)
+            paths.put(path)
+        conns = []
+        for ls in listeners:
+            c, _ = ls.accept()
+            c.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+            c.settimeout(TIMEOUT_S)
+            conns.append(c)
+        events.put(("ready", n))
+        if not start.wait(TIMEOUT_S):
+            raise RuntimeError("no start")
+        c0 = _cpu()
+        errors: list = []
+        ends: list[float] = []
+
+        def run(c) -> None:
+            try:
+                _receive(c, share, hash_passes)
+                ends.append(time.monotonic())
+            except BaseException as exc:  # noqa: BLE001 - reported to the parent
+                errors.append(exc)
+
+        threads = [threading.Thread(target=run, args=(c,)) for c in conns]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+        events.put(("done", (ends, _cpu() - c0)))
+        for c in conns:
+            c.close()
+    except BaseException:
+        events.put(("error", traceback.format_exc()))
+
+
+def _receiver_proc(n: int, share: int, server_ep, switch_s: float, hash_passes: int, ports, events, start) -> None:
     """One process receiving ``n`` streams on ``n`` threads (n == 1: the procs mode)."""
     try:
         sys.setswitchinterval(switch_s)
@@ -91,7 +198,7 @@ def _receiver_proc(n: int, share: int, server_ep, switch_s: float, ports, events
 
         def run(ch) -> None:
             try:
-                _receive(ch, share)
+                _receive(ch, share, hash_passes)
                 ends.append(time.monotonic())
             except BaseException as exc:  # noqa: BLE001 - reported to the parent
                 errors.append(exc)
@@ -164,17 +271,28 @@ def short_releases(ctx, workers: int, total: int, piece: int) -> dict:
     return {"threads_gbs": round(out["threads"], 3), "procs_gbs": round(out["procs"], 3), "threads_vs_procs": round(out["threads"] / out["procs"], 3)}
 
 
-def one(ctx, mode: str, stripes: int, total: int, endpoints, switch_s: float) -> dict:
+def one(ctx, mode: str, stripes: int, total: int, endpoints, switch_s: float, hash_passes: int = 0) -> dict:
     server_ep, client_ep = endpoints
     share = total // stripes
     ports, events, start = ctx.Queue(), ctx.Queue(), ctx.Event()
     procs = []
     receivers = 1 if mode == "threads" else stripes
     try:
-        for _ in range(receivers):
-            p = ctx.Process(target=_receiver_proc, args=(stripes // receivers, share, server_ep, switch_s, ports, events, start), daemon=True)
+        if mode == "relay":
+            paths = ctx.Queue()
+            p = ctx.Process(target=_relay_receiver_proc, args=(stripes, share, hash_passes, paths, events, start), daemon=True)
             p.start()
             procs.append(p)
+            for _ in range(stripes):
+                p = ctx.Process(target=_relay_proc, args=(paths.get(timeout=TIMEOUT_S), share, server_ep, ports, events, start), daemon=True)
+                p.start()
+                procs.append(p)
+            receivers = stripes + 1  # the relays report their CPU too
+        else:
+            for _ in range(receivers):
+                p = ctx.Process(target=_receiver_proc, args=(stripes // receivers, share, server_ep, switch_s, hash_passes, ports, events, start), daemon=True)
+                p.start()
+                procs.append(p)
         for _ in range(stripes):
             p = ctx.Process(target=_sender_proc, args=(ports.get(timeout=TIMEOUT_S), share, client_ep, events, start), daemon=True)
             p.start()
@@ -222,8 +340,15 @@ def main(argv=None) -> int:
     ap.add_argument("--stripes", default="1,4")
     ap.add_argument("--switch-ms", default="5", help="sys.setswitchinterval values (ms) tried for the receivers (default 5, CPython's)")
     ap.add_argument("--repeat", type=int, default=1, help="alternated runs per case; the best is reported")
+    ap.add_argument(
+        "--modes",
+        default="threads,procs",
+        help="threads, procs, relay (TLS terminated in one front process per stream, plaintext relayed over AF_UNIX to threads of one process)",
+    )
+    ap.add_argument("--hash-passes", type=int, default=0, help="SHA-256 passes the receiving threads make over each MiB (the node receiver makes 2)")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
+    modes = args.modes.split(",")
     ctx = mp.get_context("spawn")
     root = tempfile.mkdtemp(prefix="kvpack-diag-gil-")
     endpoints = make_pki(root)
@@ -232,8 +357,8 @@ def main(argv=None) -> int:
         for switch_ms in [float(s) for s in args.switch_ms.split(",")]:
             best: dict[str, dict] = {}
             for _ in range(args.repeat):
-                for mode in ("threads", "procs"):
-                    r = one(ctx, mode, stripes, total, endpoints, switch_ms / 1000.0)
+                for mode in modes:
+                    r = one(ctx, mode, stripes, total, endpoints, switch_ms / 1000.0, args.hash_passes)
                     if mode not in best or r["gbps"] > best[mode]["gbps"]:
                         best[mode] = r
             hashing = {f"{piece >> 10}k": short_releases(ctx, stripes, 256 << 20, piece) for piece in (16 << 10, 1 << 20)}
@@ -244,10 +369,13 @@ def main(argv=None) -> int:
                 "stripes": stripes,
                 "switch_ms": switch_ms,
                 "payload_bytes": total,
-                "threads": best["threads"],
-                "procs": best["procs"],
-                "threads_vs_procs": round(best["threads"]["gbps"] / best["procs"]["gbps"], 3),
+                "hash_passes": args.hash_passes,
             }
+            line.update(best)
+            if "procs" in best:
+                for mode in best:
+                    if mode != "procs":
+                        line[f"{mode}_vs_procs"] = round(best[mode]["gbps"] / best["procs"]["gbps"], 3)
             text = json.dumps(line, sort_keys=True)
             print(text, flush=True)
             if args.out:
