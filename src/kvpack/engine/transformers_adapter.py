@@ -334,14 +334,28 @@ class EngineSession:
             raise EngineError("unsupported", f"context would exceed {self.engine.max_context} tokens")
         return ids
 
-    def _forward(self, ids: list[int]) -> None:
+    def _upload(self, ids: list[int]) -> Any:
+        """``ids`` as a (1, n) tensor on the engine's device, copied without waiting for the
+        device: ``torch.tensor(ids, device="cuda")`` copies from pageable memory, which
+        synchronises the stream, so a prefill that built each chunk's ids that way waited
+        for every earlier chunk's kernels before it could issue the next chunk (the host
+        and the GPU took turns instead of overlapping). From pinned memory the copy is
+        queued like any kernel."""
+        torch = _torch()
+        host = torch.tensor([ids], dtype=torch.long)
+        if self.engine.device.type != "cuda":
+            return host.to(self.engine.device)
+        return host.pin_memory().to(self.engine.device, non_blocking=True)
+
+    def _forward(self, ids: list[int], device_ids: Any = None) -> None:
+        """Forward ``ids`` (``device_ids``: the same ids already on the device)."""
         torch = _torch()
         if torch.get_num_threads() != self.engine.threads:
             # The count is process-wide and part of this engine's identity; another engine
             # (or library) may have changed it since. Restore it rather than compute under
             # an identity that is no longer true.
             torch.set_num_threads(self.engine.threads)
-        x = torch.tensor([ids], dtype=torch.long, device=self.engine.device)
+        x = device_ids if device_ids is not None else torch.tensor([ids], dtype=torch.long, device=self.engine.device)
         with torch.inference_mode():
             out = self.engine.model(input_ids=x, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
         self.tokens.extend(ids)
@@ -367,11 +381,12 @@ class EngineSession:
         for layer in self.cache.layers:  # preallocated rows: room for the whole prompt at once
             if hasattr(layer, "reserve"):
                 layer.reserve(self.position + len(ids))
+        on_device = self._upload(ids)  # one copy for the whole prompt, not one per chunk
         i = 0
         while i < len(ids):
             pos = self.position
             stop = min((pos // chunk + 1) * chunk - pos, len(ids) - i)
-            self._forward(ids[i : i + stop])
+            self._forward(ids[i : i + stop], on_device[:, i : i + stop])
             i += stop
             if on_chunk is not None:
                 on_chunk(self)
