@@ -11,6 +11,8 @@ hold the same bytes, whatever the chunking.
 from __future__ import annotations
 
 import hashlib
+import itertools
+import mmap
 import os
 import sys
 import threading
@@ -19,7 +21,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from ..errors import EngineError
-from .contract import DTYPE_WIDTH, LAYER_FULL, LAYER_WINDOWED, CacheLayout, EngineIdentity, IdentityIds, InstallContext, LayerSpec
+from .contract import DTYPE_WIDTH, LAYER_FULL, LAYER_WINDOWED, ArenaSpec, CacheLayout, EngineIdentity, IdentityIds, InstallContext, LayerSpec
 from .contract import cache_digest as contract_cache_digest
 from .contract import state_digest as contract_state_digest
 
@@ -45,6 +47,28 @@ def _default_pool_bytes() -> int:
         return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4
     except (ValueError, OSError, AttributeError):
         return 0
+
+
+class SharedArena:
+    """A memfd mapped into this process that other processes (the host restore's reader
+    processes) map too, by :meth:`spec`: ``/proc/<pid>/fd/<fd>`` (a memfd has no name in the
+    file system and vanishes with its last reference: nothing leaks if this process dies).
+    Kept for the life of the process (the pool reuses it), so the path stays valid."""
+
+    _ids = itertools.count(1)
+
+    def __init__(self, nbytes: int) -> None:
+        fd = os.memfd_create("kvpack-planes", getattr(os, "MFD_CLOEXEC", 1))
+        try:
+            os.ftruncate(fd, nbytes)
+            self.map = mmap.mmap(fd, nbytes)
+        except BaseException:
+            os.close(fd)
+            raise
+        self.fd, self.nbytes, self.id = fd, nbytes, next(self._ids)
+
+    def spec(self) -> ArenaSpec:
+        return (self.id, f"/proc/{os.getpid()}/fd/{self.fd}", self.nbytes)
 
 
 class PlanePool:
@@ -76,6 +100,8 @@ class PlanePool:
         self.min_bytes = max(1, int(min_bytes))
         self._lock = threading.Lock()
         self._roots: dict[int, list[np.ndarray]] = {}
+        # shared arenas (a whole install's planes in one memfd): (root, arena) per size class
+        self._arenas: dict[int, list[tuple[np.ndarray, SharedArena]]] = {}
         self.held_bytes = 0
         self.reused = 0  # planes carved from a recycled root
         self.made = 0  # roots allocated
@@ -110,9 +136,36 @@ class PlanePool:
             self.made += 1
             return root[:nbytes].reshape(shape)
 
+    def shared(self, nbytes: int) -> tuple[np.ndarray, ArenaSpec] | None:
+        """``nbytes`` of uninitialised uint8 in shared memory (a :class:`SharedArena`,
+        recycled exactly like a root: once no view of it exists) and where other processes
+        find it; None when the pool is off, full, or the platform has no memfd. Any size is
+        pooled (an arena holds a whole install, small or not)."""
+        if self.limit_bytes == 0 or not hasattr(os, "memfd_create"):
+            return None
+        size = self.size_class(max(1, nbytes))
+        with self._lock:
+            arenas = self._arenas.setdefault(size, [])
+            for i in range(len(arenas)):  # indexed: a loop variable would be one more reference
+                if sys.getrefcount(arenas[i][0]) == self._idle_refs:
+                    self.reused += 1
+                    return arenas[i][0][:nbytes], arenas[i][1].spec()
+            if self.held_bytes + size > self.limit_bytes:
+                return None
+            try:
+                arena = SharedArena(size)
+            except OSError:
+                return None
+            root = np.frombuffer(arena.map, np.uint8)
+            arenas.append((root, arena))
+            self.held_bytes += size
+            self.made += 1
+            return root[:nbytes], arena.spec()
+
     def stats(self) -> dict[str, int]:
         with self._lock:
-            return {"held_bytes": self.held_bytes, "roots": sum(len(r) for r in self._roots.values()), "made": self.made, "reused": self.reused}
+            roots = sum(len(r) for r in self._roots.values()) + sum(len(a) for a in self._arenas.values())
+            return {"held_bytes": self.held_bytes, "roots": roots, "made": self.made, "reused": self.reused}
 
 
 class ArrayEngine:
@@ -430,6 +483,9 @@ class ArrayInstall(InstallContext):
         self._written = {}
         self._claimed = {}  # rows handed out by claim_rows, not yet landed
         self._shared: dict[tuple[int, str], np.ndarray] = {}  # planes taken by reference (share_rows)
+        # share_planes: the shared arena every plane lies in, and each plane's byte offset there
+        self._arena: ArenaSpec | None = None
+        self._arena_offsets: dict[tuple[int, str], int] = {}
         for spec in self.layout.layers:
             lo, hi = spec.retained_range(cut)
             # spare rows after the needed ones: the boundary token, a last prefill chunk and
@@ -517,6 +573,35 @@ class ArrayInstall(InstallContext):
         self._written[(layer, role)][a:b] = True
         claimed[a:b] = False
 
+    def share_planes(self) -> bool:
+        """Put every plane in one shared arena of the engine's pool (kvpack.engine.contract
+        .SharedPlanes), so reader processes write verified rows straight into them. Only
+        before any plane exists; False (nothing changed) when the pool cannot hold it."""
+        if self.state != "open" or self._planes or self._shared or self._arena is not None:
+            return False
+        offsets, total = {}, 0
+        for key, (rows, width) in self._shapes.items():
+            offsets[key] = total
+            total += -(-(rows * width) // 4096) * 4096  # each plane page-aligned
+        got = self.session.engine.planes.shared(total)
+        if got is None:
+            return False
+        root, spec = got
+        for key, (rows, width) in self._shapes.items():
+            self._planes[key] = root[offsets[key] : offsets[key] + rows * width].reshape(rows, width)
+        self._arena, self._arena_offsets = spec, offsets
+        return True
+
+    def claim_shared_rows(self, layer: int, role: str, start: int, n: int) -> tuple[ArenaSpec, int]:
+        """:meth:`claim_rows` for another process: the arena and the byte offset of row
+        ``start`` in it (after :meth:`share_planes`)."""
+        if self._arena is None:
+            raise EngineError("install", "the planes are not shared (share_planes first)")
+        self.claim_rows(layer, role, start, n)
+        spec = self.layout.layer(layer)
+        lo = spec.retained_range(self.cut)[0]
+        return self._arena, self._arena_offsets[(layer, role)] + (start - lo) * spec.row_bytes
+
     def write_logits(self, data) -> None:
         view = np.frombuffer(data, dtype="<f4")
         if view.size != self.layout.vocab_size:
@@ -551,4 +636,4 @@ class ArrayInstall(InstallContext):
             self._shared = {}
 
 
-__all__ = ["ArrayEngine", "ArraySession", "ArrayInstall", "PlanePool", "array_layout", "LAYER_WINDOWED"]
+__all__ = ["ArrayEngine", "ArraySession", "ArrayInstall", "PlanePool", "SharedArena", "array_layout", "LAYER_WINDOWED"]

@@ -183,6 +183,59 @@ def _run_wave_slice(maps: list, ctx: Any, reader: Any, geometry: tuple, part: Wa
     return results, tuple(spent)
 
 
+class _HostRun:
+    """What a worker keeps for host batches: the install arenas it mapped (by arena id) and
+    one read buffer, reused for every object (a batch runs one object at a time)."""
+
+    def __init__(self) -> None:
+        self.arenas: dict[int, Any] = {}
+        self.buffer = bytearray(0)
+
+    def map(self, arena_id: int, path: str, nbytes: int) -> None:
+        """Map an arena; a failure is kept and raised (as io) by the batches that need it."""
+        import mmap
+
+        try:
+            fd = os.open(path, os.O_RDWR)
+            try:
+                self.arenas[arena_id] = mmap.mmap(fd, nbytes)
+            finally:
+                os.close(fd)  # the mapping keeps the memory
+        except OSError as exc:
+            self.arenas[arena_id] = exc
+
+    def arena(self, arena_id: int) -> Any:
+        mapped = self.arenas.get(arena_id)
+        if mapped is None or isinstance(mapped, OSError):
+            from ..errors import StoreError
+
+            raise StoreError("io", f"chunk reader: cannot map the install's arena {arena_id}: {mapped}")
+        return mapped
+
+    def region(self, nbytes: int) -> memoryview:
+        if len(self.buffer) < nbytes:
+            self.buffer = bytearray(nbytes)
+        return memoryview(self.buffer)[:nbytes]
+
+
+def _run_host_batch(host: _HostRun, ctx: Any, reader: Any, block: int, items: list) -> list:
+    """Read, verify completely (every check of A.5, both long hashes: ``decode_chunk_one_pass``,
+    the function the reading threads run) and install each item's rows, in order: the rows
+    ``[lo, hi)`` of its plaintext are copied to their arena offset only after every check
+    passed. The first refusal raises (the parent raises it; later items are not read)."""
+    from ..format.chunk import decode_chunk_one_pass
+    from ..format.objects import ChunkRef, Span, StateKey
+
+    for item in items:
+        ref, span, key = ChunkRef(*item[0:6]), Span(*item[6:10]), StateKey(item[10], item[11])
+        family, arena_id, offset, lo, hi = item[12:17]
+        obj, _n = reader.read_into(ref, host.region(ref.object_bytes))
+        plaintext = memoryview(decode_chunk_one_pass(obj, **ctx.verify_args(ref, span, key, ctx.families[family]), block=block)).cast("B")
+        host.arena(arena_id)[offset : offset + hi - lo] = plaintext[lo:hi]
+        del plaintext, obj  # views of the read buffer, reused by the next item
+    return [None] * len(items)
+
+
 def worker_main(argv: list[str]) -> int:
     """A worker: ``argv`` = fd:bytes of each staging segment (inherited descriptors)."""
     import mmap
@@ -193,6 +246,7 @@ def worker_main(argv: list[str]) -> int:
         maps.append(mmap.mmap(fd, nbytes))
     inp, out = sys.stdin.buffer, sys.stdout.buffer
     ctxs: dict[int, tuple[Any, Any]] = {}
+    host = _HostRun()
     while True:
         message = _read_frame(inp)
         if message is None:
@@ -202,6 +256,13 @@ def worker_main(argv: list[str]) -> int:
             ctxs[cid] = (ctx, _reader_from(ctx.reader))
             while len(ctxs) > _KEEP_CTX:
                 del ctxs[min(ctxs)]
+            continue
+        if message[0] == "arena":
+            host.map(*message[1])
+            continue
+        if message[0] == "host":
+            _kind, task, cid, block, items = message
+            _serve(out, ctxs, maps, task, cid, block, items, lambda _maps, ctx, reader, blk, work: _run_host_batch(host, ctx, reader, blk, work))
             continue
         if message[0] == "slices":  # one reply per slice, each as soon as it is done
             _kind, cid, parts = message
@@ -249,6 +310,7 @@ class _Worker:
         self.lock = threading.Lock()
         self.pending: dict[int, Future] = {}
         self.sent_ctx: set[int] = set()
+        self.sent_arenas: set[int] = set()
         self.alive = True
         self.thread = threading.Thread(target=self._receive, name="kvpack-chunk-reader", daemon=True)
         self.thread.start()
@@ -285,8 +347,9 @@ class _Worker:
             if not fut.done():
                 fut.set_exception(StoreError("io", why))
 
-    def submit(self, tasks: list[int], cid: int, ctx: Any, message: tuple) -> list[Future]:
-        """Send ``message`` (after the restore's context, once) and a Future per task."""
+    def submit(self, tasks: list[int], cid: int, ctx: Any, message: tuple, arenas: tuple = ()) -> list[Future]:
+        """Send ``message`` (after the restore's context and any install ``arenas`` this
+        worker has not mapped yet, once each) and a Future per task."""
         futs: list[Future] = [Future() for _ in tasks]
         with self.lock:
             if not self.alive:
@@ -298,6 +361,10 @@ class _Worker:
                     self.sent_ctx.add(cid)
                     if len(self.sent_ctx) > _KEEP_CTX:
                         self.sent_ctx.discard(min(self.sent_ctx))
+                for arena in arenas:
+                    if arena[0] not in self.sent_arenas:  # arenas live as long as this process
+                        _write_frame(self.proc.stdin, ("arena", arena))
+                        self.sent_arenas.add(arena[0])
                 _write_frame(self.proc.stdin, message)
             except (BrokenPipeError, OSError, ValueError):
                 for task in tasks:
@@ -362,13 +429,33 @@ class ReaderPool:
         refusal))."""
         return self._send(None, cid, ctx, 1, lambda tasks: ("batch", tasks[0], cid, geometry, items))[0]
 
+    def submit_host(self, cid: int, ctx: Any, arenas: tuple, block: int, items: list) -> Future:
+        """Read, verify completely and install ``items`` (the host restore: one tuple per
+        chunk, see :func:`_run_host_batch`) in the least busy worker, which maps the install
+        ``arenas`` first: a Future that raises the batch's first refusal."""
+        return self._send(None, cid, ctx, 1, lambda tasks: ("host", tasks[0], cid, block, items), arenas)[0]
+
+    def pids(self) -> list[int]:
+        """Process ids of the live workers (benchmarks read their CPU time and switches)."""
+        with self._lock:
+            return [w.proc.pid for w in self.workers if w.alive]
+
+    def kill(self) -> None:
+        """Stop every worker now (a task past its deadline must never write later)."""
+        with self._lock:
+            workers, self.workers = self.workers, []
+        for w in workers:
+            w.proc.kill()
+            w.proc.wait()
+            w.thread.join(timeout=5)
+
     def submit_slices(self, worker_index: int, cid: int, ctx: Any, parts: list[tuple[tuple, WaveSlice]]) -> list[Future]:
         """``parts`` ((geometry, :class:`WaveSlice`) each, in wave order) in one message to
         live worker number ``worker_index`` (modulo the live workers), which serves them
         in order and replies to each as it is done: a Future per part, as :meth:`submit`."""
         return self._send(worker_index, cid, ctx, len(parts), lambda tasks: ("slices", cid, [(t, g, p) for t, (g, p) in zip(tasks, parts)]))
 
-    def _send(self, worker_index: int | None, cid: int, ctx: Any, count: int, message: Any) -> list[Future]:
+    def _send(self, worker_index: int | None, cid: int, ctx: Any, count: int, message: Any, arenas: tuple = ()) -> list[Future]:
         for _attempt in range(2):
             with self._lock:
                 live = [w for w in self.workers if w.alive]
@@ -376,7 +463,7 @@ class ReaderPool:
                 worker = min(live, key=lambda w: len(w.pending)) if worker_index is None else live[worker_index % len(live)]
                 tasks = [next(self._tasks) for _ in range(count)]
                 try:
-                    return worker.submit(tasks, cid, ctx, message(tasks))
+                    return worker.submit(tasks, cid, ctx, message(tasks), arenas)
                 except BrokenPipeError:
                     pass
             self.ensure(max(1, len(self.workers)))
@@ -391,4 +478,19 @@ class ReaderPool:
             w.close()
 
 
-__all__ = ["SLICE_COLUMNS", "SLICE_ID_BYTES", "ReaderPool", "WaveSlice", "worker_main"]
+_host_pool: ReaderPool | None = None
+_host_pool_lock = threading.Lock()
+
+
+def host_readers(processes: int) -> ReaderPool:
+    """The process-wide reader processes of host restores (no staging: they write into the
+    installs' shared arenas), at least ``processes`` live ones; started at first use."""
+    global _host_pool
+    with _host_pool_lock:
+        if _host_pool is None:
+            _host_pool = ReaderPool([], processes)
+        _host_pool.ensure(processes)
+        return _host_pool
+
+
+__all__ = ["SLICE_COLUMNS", "SLICE_ID_BYTES", "ReaderPool", "WaveSlice", "host_readers", "worker_main"]

@@ -34,7 +34,7 @@ The contract in code
 --------------------
 :class:`Engine`, :class:`Session` and :class:`Install` are the ``typing.Protocol`` s every
 adapter implements (transformers, NumPy arrays, vLLM); :class:`SpanExport`,
-:class:`PlaneStaging` and :class:`DeviceVerification` are optional capabilities. They are
+:class:`PlaneStaging`, :class:`DeviceVerification` and :class:`SharedPlanes` are optional capabilities. They are
 ``runtime_checkable``: the store and the nodes ask ``isinstance(x, PlaneStaging)``, never
 ``hasattr``, so a capability is one named, documented set of methods. This module must
 never import torch or an engine: it is the vocabulary, not an implementation.
@@ -549,3 +549,24 @@ class DeviceVerification(Protocol):
 
     def wave_ring(self, *, wave_chunks: int, waves: int, force: bool = False, wave_bytes: int | None = None) -> Any: ...
     def write_row_blocks(self, layer: int, role: str, start: int, blocks: Any) -> None: ...
+
+
+#: Where another process finds a shared plane arena: ``(arena id, path it opens, bytes)``
+#: (the path is ``/proc/<pid>/fd/<fd>`` of a memfd; the id is unique within this process).
+ArenaSpec = tuple[int, str, int]
+
+
+@runtime_checkable
+class SharedPlanes(Protocol):
+    """Optional (installs): planes in shared memory that other processes write rows into
+    (the host restore's reader processes, kvpack.engine.chunk_readers).
+
+    ``share_planes()`` puts every plane of the install in one shared arena (only before any
+    row is written; False, nothing changed, where it cannot); ``claim_shared_rows`` claims
+    rows as ``claim_rows`` does and says where they lie in the arena (spec, byte offset);
+    the claimed rows count as written only after ``rows_landed`` (their bytes verified).
+    """
+
+    def share_planes(self) -> bool: ...
+    def claim_shared_rows(self, layer: int, role: str, start: int, n: int) -> tuple[ArenaSpec, int]: ...
+    def rows_landed(self, layer: int, role: str, start: int, n: int) -> None: ...

@@ -33,7 +33,7 @@ from typing import Any, Protocol, Union
 from ..format import constants as C
 from ..format.objects import ChunkRef, Manifest, Span, StateKey
 from ..errors import StoreError
-from .contract import DeviceVerification, PlaneStaging
+from .contract import DeviceVerification, PlaneStaging, SharedPlanes
 from .lazy_torch import load_torch as _torch
 
 Buffer = Union[bytes, memoryview]
@@ -144,6 +144,25 @@ class RestoreTuning:
     #: the restoring thread installs every chunk (the A/B of benchmarks/diag_restore_install.py).
     #: With one or two workers the restoring thread installs either way
     worker_installs: bool = True
+    #: host verification: read and verify chunks in reader processes that write the verified
+    #: rows straight into the install's shared planes (kvpack.engine.chunk_readers; installs
+    #: with ``SharedPlanes``, plain POSIX stores): "auto" (``workers`` processes where there
+    #: are at least :data:`HOST_READERS_MIN_CPUS` cores), 0 (threads), N (N processes, forced:
+    #: tests, benchmarks). KVPACK_HOST_READERS sets the default
+    host_readers: int | str = field(default_factory=lambda: _host_readers_default())
+
+
+#: Cores from which ``host_readers = "auto"`` restores in processes: with one interpreter the
+#: reading threads' GIL hand-offs paced the warm restore on the 16-core H200 host (2,577
+#: voluntary switches per GiB against 1,116 for read + both hashes on the same threads); on
+#: the 2-core box two threads keep up with the hashes and a worker's start costs more
+#: (docs/store.md, "How the host restore reads").
+HOST_READERS_MIN_CPUS = 8
+
+
+def _host_readers_default() -> int | str:
+    value = os.environ.get("KVPACK_HOST_READERS", "auto")
+    return value if value == "auto" else int(value)
 
 
 @dataclass
@@ -296,6 +315,9 @@ class HostPipeline:
     in job order is the refusal), and this returns only after every worker stopped, so
     nothing writes into an install the caller aborts."""
 
+    #: most chunks one reader-process batch holds (``run_processes``)
+    HOST_BATCH = 8
+
     def __init__(self, source: ChunkSource, install: Any, layout: Any, tuning: RestoreTuning) -> None:
         self.source, self.install, self.layout, self.tuning = source, install, layout, tuning
         self.verified = self.nbytes = 0
@@ -382,7 +404,91 @@ class HostPipeline:
             return cpus - 1
         return self.tuning.workers
 
+    def reader_processes(self) -> int:
+        """How many reader processes this restore uses (``tuning.host_readers``); 0: the
+        threads. Only installs whose planes can be shared (``SharedPlanes``; not a CUDA
+        install's staging) and stores whose reads a process can repeat (``worker_reader``:
+        plain POSIX; S3 and a fault-injecting file layer keep the threads)."""
+        mode = self.tuning.host_readers
+        if mode in (0, "0") or self.stager is not None or not isinstance(self.install, SharedPlanes):
+            return 0
+        if getattr(self.source, "worker_reader", lambda: None)() is None:
+            return 0
+        if mode == "auto":
+            return self.tuning.workers if (os.cpu_count() or 1) >= HOST_READERS_MIN_CPUS else 0
+        return max(0, int(mode))
+
+    def run_processes(self, jobs: list[ChunkJob], processes: int) -> PipelineResult:
+        """Every job read, verified completely and installed by a reader process
+        (``chunk_readers.host_readers``): its rows are claimed here (``claim_shared_rows``)
+        and the worker copies the verified plaintext's rows into the shared plane after the
+        last check passed; this thread marks them landed in job order. The first refusal in
+        job order raises; before raising, every batch sent has ended (or its worker was
+        killed), so nothing writes into the install the caller aborts."""
+        from ..format.chunk import ONE_PASS_BLOCK
+        from .chunk_readers import host_readers
+
+        t0 = time.perf_counter()
+        pool = host_readers(processes)
+        families: list[Any] = []
+        family_index: dict[int, int] = {}
+        arenas: dict[int, tuple] = {}
+        items = []
+        for job in jobs:
+            if id(job.manifest) not in family_index:
+                family_index[id(job.manifest)] = len(families)
+                families.append(job.manifest.family)
+            arena, offset = self.install.claim_shared_rows(job.key.layer, job.key.name, job.a, job.b - job.a)
+            arenas[arena[0]] = arena
+            lo_byte, hi_byte = _row_bytes(self.layout, job)
+            r, sp = job.ref, job.span
+            # plain values, not the dataclasses (pickled per batch)
+            items.append(
+                (r.content_id, r.object_key, r.object_digest, r.key_epoch, r.plaintext_bytes, r.object_bytes)
+                + (sp.token_start, sp.token_count, sp.plaintext_offset, sp.plaintext_bytes, job.key.layer, job.key.name)
+                + (family_index[id(job.manifest)], arena[0], offset, lo_byte, hi_byte)
+            )
+        src = self.source
+        ctx = CheckContext(src.tenant, src.keys, src.epoch, src.family_digest, b"", tuple(families), src.worker_reader())
+        cid, specs = next(_restore_ids), tuple(arenas.values())
+        # about four batches per worker: the least busy worker takes the next, so one slow
+        # read does not hold the restore's tail, and each message is a few chunks' pickle.
+        # A worker verifies in one process, one thread: both hashes from one pass over each
+        # 64 KiB block (ONE_PASS_BLOCK, cache-resident) -- no GIL to hand over
+        batch = max(1, min(self.HOST_BATCH, -(-len(jobs) // (4 * processes))))
+        ranges = [(lo, min(lo + batch, len(jobs))) for lo in range(0, len(jobs), batch)]
+        t_plan = time.perf_counter()
+        futs: list[Future] = []
+        try:
+            for lo, hi in ranges:
+                futs.append(pool.submit_host(cid, ctx, specs, ONE_PASS_BLOCK, items[lo:hi]))
+            for (lo, hi), fut in zip(ranges, futs):
+                try:
+                    fut.result(timeout=READ_DEADLINE_S)  # the batch's first refusal raises
+                except FutureTimeout:
+                    pool.kill()  # a late write into an aborted (recycled) install is impossible then
+                    raise StoreError("io", f"chunk reads did not finish within {READ_DEADLINE_S:.0f} s") from None
+                for job in jobs[lo:hi]:
+                    self.install.rows_landed(job.key.layer, job.key.name, job.a, job.b - job.a)
+                    self.verified += 1
+                    self.nbytes += job.ref.object_bytes
+        except BaseException:
+            for fut in futs:  # a worker may still be writing into the install: let it end
+                if not fut.done():
+                    try:
+                        fut.exception(timeout=READ_DEADLINE_S)
+                    except FutureTimeout:
+                        pool.kill()
+                    except Exception:  # noqa: BLE001 - only waiting for it to end
+                        pass
+            raise
+        phases = {"host_plan_s": round(t_plan - t0, 4), "host_read_processes": processes}
+        return PipelineResult(self.verified, self.nbytes, {"host": self.verified}, phases, pipeline="host_processes")
+
     def run(self, jobs: list[ChunkJob]) -> PipelineResult:
+        processes = self.reader_processes() if jobs else 0
+        if processes and self.install.share_planes():
+            return self.run_processes(jobs, processes)
         # The window bounds what finished results hold (a read buffer or a staging slot each)
         # until this thread installs them; a chunk its worker installed holds nothing, so
         # then every job is queued at once and the workers never wait for this thread (only
@@ -403,7 +509,7 @@ class HostPipeline:
                 for fut, _job in pending:  # refused midway: hand back what is still held
                     if not fut.cancel() and fut.exception() is None:
                         self.release(fut.result())
-        return PipelineResult(self.verified, self.nbytes, {"host": self.verified}, pipeline="host")
+        return PipelineResult(self.verified, self.nbytes, {"host": self.verified}, {"host_read_processes": 0}, pipeline="host")
 
 
 class PlanePipeline:

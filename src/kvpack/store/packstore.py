@@ -229,6 +229,7 @@ class PackStore:
     wave_chunks = _tuning_attribute("wave_chunks")
     device_host_tail = _tuning_attribute("device_host_tail")
     read_processes = _tuning_attribute("read_processes")
+    host_readers = _tuning_attribute("host_readers")
 
     def __init__(self, env: StorageEnv, config: dict, root: bytes) -> None:
         self.env = env
