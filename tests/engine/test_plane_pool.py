@@ -107,3 +107,45 @@ def test_an_aborted_install_gives_its_planes_back():
     install2.commit(require_logits=False)
     assert _rows_of(s2, layout, len(tokens)) == _rows_of(src, layout, len(tokens))
     assert np.array_equal(np.frombuffer(s2.export_rows(1, "v", 0, 5), np.uint8), np.frombuffer(src.export_rows(1, "v", 0, 5), np.uint8))
+
+
+def test_shared_arenas_are_recycled_like_roots_and_bounded():
+    """An arena (an install's planes in one memfd) is reused only once no view of it is
+    left; another process writes into it through its spec; the bound holds (then None)."""
+    import subprocess
+    import sys
+
+    pool = PlanePool(3 * MIB)
+    a, spec = pool.shared(2 * MIB)
+    code = f"import mmap, os; fd = os.open({spec[1]!r}, os.O_RDWR); m = mmap.mmap(fd, {spec[2]}); m[5:8] = b'abc'"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+    assert bytes(a[5:8]) == b"abc"  # the same pages
+    view = a[:16]
+    del a
+    assert pool.shared(2 * MIB) is None  # held (a view) and no room for another
+    small, small_spec = pool.shared(4096)  # under min_bytes: still an arena
+    assert small_spec[0] != spec[0] and pool.stats()["made"] == 2
+    del view
+    again, again_spec = pool.shared(2 * MIB)
+    assert again_spec == spec and pool.stats()["reused"] == 1
+    assert PlanePool(0).shared(4096) is None
+
+
+def test_an_install_shares_its_planes_only_before_any_row_is_written():
+    layout = array_layout(layers=2, kv_heads=2, head_dim=8)
+    eng = ArrayEngine(layout)
+    tokens = list(range(40))
+    install = eng.new_session().begin_install(len(tokens), tokens, eng.identity)
+    assert install.share_planes() and not install.share_planes()  # once
+    arena, offset = install.claim_shared_rows(1, "v", 2, 3)
+    plane_bytes = -(-(40 + 256 + 40 // 16) * 64 // 4096) * 4096  # rows + spare, page-aligned
+    assert offset == 3 * plane_bytes + 2 * 64  # the fourth plane, its third row
+    with open(arena[1], "r+b") as fh:  # as a reader process writes it
+        fh.seek(offset)
+        fh.write(b"\x5a" * 3 * 64)
+    install.rows_landed(1, "v", 2, 3)
+    assert bytes(install._planes[(1, "v")][2:5].tobytes()) == b"\x5a" * 3 * 64
+    assert install.missing() and (1, "v", 37) in install.missing()
+    other = eng.new_session().begin_install(len(tokens), tokens, eng.identity)
+    other.write_rows(0, "k", 0, bytes(64 * 40))
+    assert not other.share_planes()  # a plane already exists: stays private

@@ -1,5 +1,6 @@
-"""Store-suite fixtures: every backend test runs against a directory and against a real
-SeaweedFS S3 server (one per test session, started on loopback ports with its own data dir)."""
+"""Store-suite fixtures: every backend test runs against a directory (host restores on
+threads, and again in reader processes) and against a real SeaweedFS S3 server (one per
+test session, started on loopback ports with its own data dir)."""
 
 from __future__ import annotations
 
@@ -19,8 +20,10 @@ def seaweed(tmp_path_factory):
     server.stop()
 
 
-@pytest.fixture(params=["posix", "s3"])
+@pytest.fixture(params=["posix", "posix_readers", "s3"])
 def backend(request):
+    """A directory (host restores on threads, as on the 2-core CI), a directory with host
+    restores in two reader processes (``host_readers = 2``), a SeaweedFS bucket prefix."""
     if request.param == "s3":
         return S3Backend(request.getfixturevalue("seaweed"))
-    return PosixBackend()
+    return PosixBackend(host_readers=2 if request.param == "posix_readers" else 0)

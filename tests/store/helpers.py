@@ -19,14 +19,25 @@ def engine(**kw) -> ArrayEngine:
 
 
 class PosixBackend:
+    """A directory. ``host_readers``: the stores' ``RestoreTuning.host_readers`` (None: the
+    default), so the suite also runs with host restores in reader processes forced on."""
+
     name = "posix"
+
+    def __init__(self, host_readers: int | None = None) -> None:
+        self.host_readers = host_readers
+
+    def _tuned(self, store: PackStore) -> PackStore:
+        if self.host_readers is not None:
+            store.host_readers = self.host_readers
+        return store
 
     def new(self, tmp_path, name="store", **kw) -> PackStore:
         kw.setdefault("chunk_bytes", 4096)
-        return PackStore.init(os.path.join(tmp_path, name), **kw)
+        return self._tuned(PackStore.init(os.path.join(tmp_path, name), **kw))
 
     def reopen(self, store: PackStore, **kw) -> PackStore:
-        return PackStore.open(store.path, **kw)
+        return self._tuned(PackStore.open(store.path, **kw))
 
 
 class S3Backend:

@@ -1,7 +1,8 @@
 """The host restore pipeline installs each verified chunk's rows on the worker that verified
 it when the install takes disjoint rows from several threads (``concurrent_row_writes``),
 and on the restore's own thread otherwise; either way the first refused chunk in job order
-is the refusal, nothing is installed, and no worker still runs when the restore returns."""
+is the refusal (also with reader processes), nothing is installed, and no worker still runs
+when the restore returns."""
 
 from __future__ import annotations
 
@@ -54,6 +55,7 @@ def test_rows_are_installed_by_the_workers_only_when_the_install_allows_it(tmp_p
     store = new_store(tmp_path)
     store.workers = workers
     store.tuning.worker_installs = worker_installs
+    store.host_readers = 0
     eng = engine()
     src = session_with(eng, TOKENS, store)
     recorder = CallRecorder()
@@ -68,10 +70,13 @@ def test_rows_are_installed_by_the_workers_only_when_the_install_allows_it(tmp_p
     assert on_main == [not on_workers] * len(jobs)
 
 
-@pytest.mark.parametrize("concurrent", [True, False])
-def test_first_refusal_in_job_order_wins_and_nothing_is_installed(tmp_path, monkeypatch, concurrent):
+@pytest.mark.parametrize("concurrent, readers", [(True, 0), (False, 0), (True, 2)])
+def test_first_refusal_in_job_order_wins_and_nothing_is_installed(tmp_path, monkeypatch, concurrent, readers):
+    """Threads (installing on the workers or on the restoring thread) and reader processes
+    (``host_readers``: batches raised in job order) give the same first refusal."""
     store = new_store(tmp_path)
     store.workers = 4
+    store.host_readers = readers
     eng = engine()
     session_with(eng, TOKENS, store)
     hit = store.find_deepest(TOKENS, eng.layout, eng.ids())
@@ -93,6 +98,7 @@ def test_first_refusal_in_job_order_wins_and_nothing_is_installed(tmp_path, monk
         store.restore(hit, live, TOKENS)
     assert getattr(info.value, "format_category", info.value.category) == "authentication"
     assert live.cache_digest() == before and live.tokens == [5] * 300
+    assert bool(readers) == (not recorder.threads)  # processes write rows into shared planes
     # every thread that wrote rows into the (aborted) install has stopped
     assert not any(t.is_alive() for t in recorder.threads if t is not threading.main_thread())
 

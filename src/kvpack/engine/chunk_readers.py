@@ -12,6 +12,13 @@ reading threads run) and writes the object's two GPU job rows. The parent gets o
 message per batch back: per object the content id and any held refusal, or that it was
 verified completely on the host, or the first refusal of the batch (raised in the parent).
 
+The host restore (no device) uses the same workers (:func:`host_readers`, one pool per
+process, no staging): a worker reads each object of a batch into its own buffer, verifies
+it completely (``format.chunk.decode_chunk_one_pass``, the function the reading threads
+run) and only then copies the rows the restore installs straight into the install's planes,
+which live in a shared arena (a memfd the worker maps by its ``/proc/<pid>/fd`` path:
+``kvpack.engine.arrays.SharedArena``). Nothing comes back but "done" or the refusal.
+
 Workers read through a picklable recipe the store provides for plain POSIX stores only
 (``ChunkSource.worker_reader``); any other store (S3, a fault-injecting file layer) keeps the
 reading threads. A worker that dies fails its batches with ``StoreError("io")``: the restore
@@ -30,7 +37,12 @@ objects); worker -> parent, one frame per task as it finishes: ``("ok", task, re
 the device and on chunks verified here, which size the restore's host tail) or
 ``("err", task, exception)``. Each worker serves its pipe and its slices in order, so a
 restore that gives every worker one contiguous slice of each wave has its waves read in wave
-order. Frames are an 8-byte length and a pickle; both ends are this module, started by this
+order. Host restores send ``("arena", spec)`` once per worker and arena (mapped before the
+batches that need it) and ``("host", task, ctx id, one-pass block, items)`` (an item: the
+chunk's ref, span and state key as plain values, its family, then the arena, the byte offset
+of its first installed row there and the byte range ``[lo, hi)`` of its plaintext that is
+installed); the reply is ``("ok", task, [None, ...])`` or ``("err", task, exception)``.
+Frames are an 8-byte length and a pickle; both ends are this module, started by this
 process.
 """
 
