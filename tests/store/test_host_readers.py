@@ -166,20 +166,31 @@ class _SharedInstall:
 
 
 @pytest.mark.parametrize(
-    "mode, cpus, recipe, shared, expected",
+    "mode, cpus, recipe, shared, running, mib, expected, started",
     [
-        ("auto", 16, ("m", "f", ()), True, 12),
-        ("auto", 8, ("m", "f", ()), True, 12),
-        ("auto", 4, ("m", "f", ()), True, 0),  # few cores: threads, as on the 2-core CI
-        ("auto", 16, None, True, 0),  # S3, a fault layer: no recipe
-        ("auto", 16, ("m", "f", ()), False, 0),  # an install without shared planes
-        (0, 16, ("m", "f", ()), True, 0),
-        (3, 2, ("m", "f", ()), True, 3),  # forced
-        (3, 2, None, True, 0),
+        ("auto", 16, ("m", "f", ()), True, True, 1, 12, False),
+        ("auto", 8, ("m", "f", ()), True, True, 1, 12, False),
+        ("auto", 16, ("m", "f", ()), True, False, 64, 0, True),  # large: start them, keep threads now
+        ("auto", 16, ("m", "f", ()), True, False, 63, 0, False),  # small: never pay the start
+        ("auto", 4, ("m", "f", ()), True, True, 64, 0, False),  # few cores: threads, as on the 2-core CI
+        ("auto", 16, None, True, True, 64, 0, False),  # S3, a fault layer: no recipe
+        ("auto", 16, ("m", "f", ()), False, True, 64, 0, False),  # an install without shared planes
+        (0, 16, ("m", "f", ()), True, True, 64, 0, False),
+        (3, 2, ("m", "f", ()), True, False, 1, 3, False),  # forced (waits for them to start)
+        (3, 2, None, True, True, 1, 0, False),
     ],
 )
-def test_which_restores_use_reader_processes(monkeypatch, mode, cpus, recipe, shared, expected):
+def test_which_restores_use_reader_processes(monkeypatch, mode, cpus, recipe, shared, running, mib, expected, started):
+    from types import SimpleNamespace
+
+    from kvpack.engine import chunk_readers
+
+    starts: list[int] = []
     monkeypatch.setattr("os.cpu_count", lambda: cpus)
+    monkeypatch.setattr(chunk_readers, "running_host_readers", lambda: object() if running else None)
+    monkeypatch.setattr(chunk_readers, "start_host_readers", starts.append)
     tuning = replace(RestoreTuning(), workers=12, host_readers=mode)
     install = _SharedInstall() if shared else object()
-    assert HostPipeline(_Source(recipe), install, None, tuning).reader_processes() == expected
+    jobs = [SimpleNamespace(ref=SimpleNamespace(object_bytes=1 << 20))] * mib
+    assert HostPipeline(_Source(recipe), install, None, tuning).reader_processes(jobs) == expected
+    assert starts == ([12] if started else [])

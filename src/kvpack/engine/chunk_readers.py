@@ -505,4 +505,17 @@ def host_readers(processes: int) -> ReaderPool:
         return _host_pool
 
 
-__all__ = ["SLICE_COLUMNS", "SLICE_ID_BYTES", "ReaderPool", "WaveSlice", "host_readers", "worker_main"]
+def running_host_readers() -> ReaderPool | None:
+    """The host restores' pool when it has live workers (never starts one)."""
+    with _host_pool_lock:
+        pool = _host_pool
+    return pool if pool is not None and pool.live() else None
+
+
+def start_host_readers(processes: int) -> None:
+    """Start the host restores' workers on a background thread (a restore that does not
+    wait for them keeps its threads; the next one finds them running)."""
+    threading.Thread(target=host_readers, args=(processes,), name="kvpack-host-readers-start", daemon=True).start()
+
+
+__all__ = ["SLICE_COLUMNS", "SLICE_ID_BYTES", "ReaderPool", "WaveSlice", "host_readers", "running_host_readers", "start_host_readers", "worker_main"]

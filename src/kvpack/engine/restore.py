@@ -155,9 +155,14 @@ class RestoreTuning:
 #: Cores from which ``host_readers = "auto"`` restores in processes: with one interpreter the
 #: reading threads' GIL hand-offs paced the warm restore on the 16-core H200 host (2,577
 #: voluntary switches per GiB against 1,116 for read + both hashes on the same threads); on
-#: the 2-core box two threads keep up with the hashes and a worker's start costs more
-#: (docs/store.md, "How the host restore reads").
+#: the 2-core box two threads keep up with the hashes (docs/store.md, "How the host restore
+#: reads").
 HOST_READERS_MIN_CPUS = 8
+#: "auto" never waits for workers to start (two took 0.95 s on the 2-core box, importing
+#: kvpack and NumPy: more than threads need for a GiB): a restore of at least this many
+#: object bytes starts them in the background and keeps its threads; later restores of the
+#: process find them running. A one-shot command never pays the start.
+HOST_READERS_START_BYTES = 64 << 20
 
 
 def _host_readers_default() -> int | str:
@@ -404,19 +409,29 @@ class HostPipeline:
             return cpus - 1
         return self.tuning.workers
 
-    def reader_processes(self) -> int:
+    def reader_processes(self, jobs: list[ChunkJob]) -> int:
         """How many reader processes this restore uses (``tuning.host_readers``); 0: the
         threads. Only installs whose planes can be shared (``SharedPlanes``; not a CUDA
         install's staging) and stores whose reads a process can repeat (``worker_reader``:
-        plain POSIX; S3 and a fault-injecting file layer keep the threads)."""
+        plain POSIX; S3 and a fault-injecting file layer keep the threads). "auto": on at
+        least :data:`HOST_READERS_MIN_CPUS` cores, once the workers run (see
+        :data:`HOST_READERS_START_BYTES`)."""
+        from . import chunk_readers
+
         mode = self.tuning.host_readers
         if mode in (0, "0") or self.stager is not None or not isinstance(self.install, SharedPlanes):
             return 0
         if getattr(self.source, "worker_reader", lambda: None)() is None:
             return 0
-        if mode == "auto":
-            return self.tuning.workers if (os.cpu_count() or 1) >= HOST_READERS_MIN_CPUS else 0
-        return max(0, int(mode))
+        if mode != "auto":
+            return max(0, int(mode))
+        if (os.cpu_count() or 1) < HOST_READERS_MIN_CPUS:
+            return 0
+        if chunk_readers.running_host_readers() is not None:
+            return self.tuning.workers
+        if sum(job.ref.object_bytes for job in jobs) >= HOST_READERS_START_BYTES:
+            chunk_readers.start_host_readers(self.tuning.workers)
+        return 0
 
     def run_processes(self, jobs: list[ChunkJob], processes: int) -> PipelineResult:
         """Every job read, verified completely and installed by a reader process
@@ -486,7 +501,7 @@ class HostPipeline:
         return PipelineResult(self.verified, self.nbytes, {"host": self.verified}, phases, pipeline="host_processes")
 
     def run(self, jobs: list[ChunkJob]) -> PipelineResult:
-        processes = self.reader_processes() if jobs else 0
+        processes = self.reader_processes(jobs) if jobs else 0
         if processes and self.install.share_planes():
             return self.run_processes(jobs, processes)
         # The window bounds what finished results hold (a read buffer or a staging slot each)
