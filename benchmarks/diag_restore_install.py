@@ -21,6 +21,9 @@ fresh session. Modes (``--modes``, comma-separated):
 * ``switch_0_5ms``: worker installs with ``sys.setswitchinterval(0.0005)`` (default 5 ms):
   a thread back from a GIL-free call (read, hash, copy) waits at most that long for a
   thread running Python to hand the GIL over -- whether GIL hand-offs pace 16 workers;
+* ``reader_processes``: ``RestoreTuning.host_readers`` = the thread count: reader processes
+  read, verify and write the rows into the install's shared planes (no GIL shared between
+  them; the usage columns add the processes' CPU time and switches from /proc);
 * ``read_verify``: each object read whole, then SHA-256 and HMAC-SHA-256 over it, one call
   each (the verification-bound ceiling ``bench_store_backends`` reports);
 * ``read_verify_copy``: the same, then the plaintext copied to its own offset of one
@@ -66,6 +69,7 @@ MODES = (
     "one_pass_1m",
     "fresh_planes",
     "switch_0_5ms",
+    "reader_processes",
     "read_verify",
     "read_verify_copy",
 )
@@ -77,12 +81,36 @@ _TUNING = {
     "one_pass_1m": (True, 1 << 20),
     "fresh_planes": (True, None),
     "switch_0_5ms": (True, None),
+    "reader_processes": (True, None),
 }
 
 
 def _usage() -> tuple[float, ...]:
+    """Minor faults, voluntary and involuntary switches, CPU seconds: this process plus the
+    host restore's reader processes (getrusage never counts children that still run)."""
+    from kvpack.engine.chunk_readers import running_host_readers
+
     ru = resource.getrusage(resource.RUSAGE_SELF)
-    return (ru.ru_minflt, ru.ru_nvcsw, ru.ru_nivcsw, ru.ru_utime + ru.ru_stime)
+    total = [ru.ru_minflt, ru.ru_nvcsw, ru.ru_nivcsw, ru.ru_utime + ru.ru_stime]
+    pool = running_host_readers()
+    tick = os.sysconf("SC_CLK_TCK")
+    for pid in pool.pids() if pool is not None else []:
+        try:
+            with open(f"/proc/{pid}/stat") as fh:
+                fields = fh.read().rpartition(")")[2].split()
+            total[0] += int(fields[7])
+            total[3] += (int(fields[11]) + int(fields[12])) / tick
+            for task in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{task}/status") as fh:
+                    for line in fh:
+                        key, _sep, value = line.partition(":")
+                        if key == "voluntary_ctxt_switches":
+                            total[1] += int(value)
+                        elif key == "nonvoluntary_ctxt_switches":
+                            total[2] += int(value)
+        except (OSError, ValueError, IndexError):
+            pass
+    return tuple(total)
 
 
 def _read_verify_seconds(paths: list[str], threads: int, dest: np.ndarray | None = None) -> float:
@@ -174,8 +202,13 @@ def _thread_row(store, eng, fresh_eng, hit, tokens, paths, dest, threads: int, m
     usage: dict[str, list[tuple[float, ...]]] = {m: [] for m in modes}
     _read_verify_seconds(paths, threads)  # warm the page cache and the pool's code paths
     live = eng.new_session()
+    store.host_readers = 0
     store.restore(hit, live, tokens)  # untimed: the plane pool's roots are made (faulted) here
     del live
+    if "reader_processes" in modes:  # untimed: the workers start, the arena is made and mapped
+        store.host_readers = threads
+        store.restore(hit, eng.new_session(), tokens)
+        store.host_readers = 0
     for _ in range(restores):
         for mode in modes:
             before = _usage()
@@ -188,10 +221,12 @@ def _thread_row(store, eng, fresh_eng, hit, tokens, paths, dest, threads: int, m
                 live = (fresh_eng if mode == "fresh_planes" else eng).new_session()
                 if mode == "switch_0_5ms":
                     sys.setswitchinterval(0.0005)
+                store.host_readers = threads if mode == "reader_processes" else 0
                 try:
                     seconds[mode].append(store.restore(hit, live, tokens).seconds)
                 finally:
                     sys.setswitchinterval(switch)
+                    store.host_readers = 0
                 del live
             usage[mode].append(tuple(b - a for a, b in zip(before, _usage())))
     row: dict = {}
