@@ -441,11 +441,12 @@ class ReaderPool:
         refusal))."""
         return self._send(None, cid, ctx, 1, lambda tasks: ("batch", tasks[0], cid, geometry, items))[0]
 
-    def submit_host(self, cid: int, ctx: Any, arenas: tuple, block: int, items: list) -> Future:
+    def submit_host(self, worker_index: int, cid: int, ctx: Any, arenas: tuple, block: int, items: list) -> Future:
         """Read, verify completely and install ``items`` (the host restore: one tuple per
-        chunk, see :func:`_run_host_batch`) in the least busy worker, which maps the install
-        ``arenas`` first: a Future that raises the batch's first refusal."""
-        return self._send(None, cid, ctx, 1, lambda tasks: ("host", tasks[0], cid, block, items), arenas)[0]
+        chunk, see :func:`_run_host_batch`) in live worker number ``worker_index`` (modulo
+        the live workers), which maps the install ``arenas`` first: a Future that raises the
+        batch's first refusal."""
+        return self._send(worker_index, cid, ctx, 1, lambda tasks: ("host", tasks[0], cid, block, items), arenas)[0]
 
     def pids(self) -> list[int]:
         """Process ids of the live workers (benchmarks read their CPU time and switches)."""

@@ -466,17 +466,20 @@ class HostPipeline:
         src = self.source
         ctx = CheckContext(src.tenant, src.keys, src.epoch, src.family_digest, b"", tuple(families), src.worker_reader())
         cid, specs = next(_restore_ids), tuple(arenas.values())
-        # about four batches per worker: the least busy worker takes the next, so one slow
-        # read does not hold the restore's tail, and each message is a few chunks' pickle.
-        # A worker verifies in one process, one thread: both hashes from one pass over each
-        # 64 KiB block (ONE_PASS_BLOCK, cache-resident) -- no GIL to hand over
+        # about four batches per worker, dealt round robin: batch i to worker i mod N, so a
+        # restore into a recycled arena has each worker write the pages it wrote last time
+        # (a page a process first writes through its own mapping is a page fault: 256 MiB
+        # written through a fresh mapping took 0.22 s against 0.04 s on the 2-core box),
+        # and batches finish about in job order, the order they are raised in. A worker
+        # verifies in one process, one thread: both hashes from one pass over each 64 KiB
+        # block (ONE_PASS_BLOCK, cache-resident) -- no GIL to hand over
         batch = max(1, min(self.HOST_BATCH, -(-len(jobs) // (4 * processes))))
         ranges = [(lo, min(lo + batch, len(jobs))) for lo in range(0, len(jobs), batch)]
         t_plan = time.perf_counter()
         futs: list[Future] = []
         try:
-            for lo, hi in ranges:
-                futs.append(pool.submit_host(cid, ctx, specs, ONE_PASS_BLOCK, items[lo:hi]))
+            for i, (lo, hi) in enumerate(ranges):
+                futs.append(pool.submit_host(i, cid, ctx, specs, ONE_PASS_BLOCK, items[lo:hi]))
             for (lo, hi), fut in zip(ranges, futs):
                 try:
                     fut.result(timeout=READ_DEADLINE_S)  # the batch's first refusal raises
