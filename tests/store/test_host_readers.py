@@ -21,6 +21,7 @@ from kvpack.store.packstore import _EnvChunks, chunk_name
 from kvpack.testing.faults import FaultyOps
 
 from .helpers import TOKENS, engine, new_store, session_with
+from .test_host_restore_installs import _captured_jobs
 
 
 def _saved(tmp_path, eng, tokens=TOKENS, **kw):
@@ -123,6 +124,30 @@ def test_an_arena_a_worker_cannot_map_fails_the_restore_as_io(tmp_path, monkeypa
         store.restore(hit, live, TOKENS)
     assert info.value.category == "io" and "arena" in str(info.value)
     assert live.cache_digest() == before
+
+
+def test_a_refusal_stops_the_workers_reading_later_batches(tmp_path, monkeypatch):
+    """The first job's chunk is missing: the workers skip the batches after its batch
+    instead of reading the rest of the cut (each other read is slowed down, so without the
+    skip every job would be read)."""
+    eng = engine()
+    store, _src, hit = _saved(tmp_path, eng)
+    jobs = _captured_jobs(monkeypatch)
+    store.restore(hit, eng.new_session(), TOKENS)
+    first = jobs[0].ref.content_id
+    store.env.delete(chunk_name(first))
+    log = os.path.join(tmp_path, "reads.log")
+    monkeypatch.setattr(_EnvChunks, "worker_reader", lambda self: ("kvpack.testing.faults", "LoggingChunkReader", (store.path, log, 0.05, first)))
+    live = session_with(eng, [5] * 300)
+    before = live.cache_digest()
+    with pytest.raises(StoreError) as info:
+        store.restore(hit, live, TOKENS)
+    assert info.value.category == "incomplete" and first.hex() in str(info.value)
+    assert live.cache_digest() == before
+    with open(log) as fh:
+        reads = fh.read().split()
+    assert first.hex() in reads and len(jobs) > 40
+    assert len(reads) < len(jobs) // 4, (len(reads), len(jobs))
 
 
 def test_a_fault_injecting_file_layer_keeps_the_threads(tmp_path):

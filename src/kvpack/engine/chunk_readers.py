@@ -38,10 +38,12 @@ the device and on chunks verified here, which size the restore's host tail) or
 ``("err", task, exception)``. Each worker serves its pipe and its slices in order, so a
 restore that gives every worker one contiguous slice of each wave has its waves read in wave
 order. Host restores send ``("arena", spec)`` once per worker and arena (mapped before the
-batches that need it) and ``("host", task, ctx id, one-pass block, items)`` (an item: the
+batches that need it) and ``("host", task, ctx id, batch index, one-pass block, items)`` (an item: the
 chunk's ref, span and state key as plain values, its family, then the arena, the byte offset
 of its first installed row there and the byte range ``[lo, hi)`` of its plaintext that is
-installed); the reply is ``("ok", task, [None, ...])`` or ``("err", task, exception)``.
+installed); the reply is ``("ok", task, [None, ...])`` or ``("err", task, exception)``;
+a shared control page says, per restore, from which batch on the workers skip (a batch
+was refused).
 Frames are an 8-byte length and a pickle; both ends are this module, started by this
 process.
 """
@@ -230,15 +232,27 @@ class _HostRun:
         return memoryview(self.buffer)[:nbytes]
 
 
-def _run_host_batch(host: _HostRun, ctx: Any, reader: Any, block: int, items: list) -> list:
+#: int64 slots of the host pool's control page, one per restore (its context id modulo
+#: this): 0, or 2 + the index of the first batch of that restore known to be refused (1:
+#: the restore failed otherwise, every batch not yet read is skipped)
+CONTROL_SLOTS = 512
+
+
+def _run_host_batch(host: _HostRun, control: Any, cid: int, index: int, ctx: Any, reader: Any, block: int, items: list) -> list:
     """Read, verify completely (every check of A.5, both long hashes: ``decode_chunk_one_pass``,
     the function the reading threads run) and install each item's rows, in order: the rows
     ``[lo, hi)`` of its plaintext are copied to their arena offset only after every check
-    passed. The first refusal raises (the parent raises it; later items are not read)."""
+    passed. The first refusal raises (the parent raises it; later items are not read). A
+    batch after one of its restore's batches that was refused (``control``) is skipped: the
+    restore refuses anyway, with the first refusal in job order, which is never this one."""
+    from ..errors import StoreError
     from ..format.chunk import decode_chunk_one_pass
     from ..format.objects import ChunkRef, Span, StateKey
 
     for item in items:
+        refused = control[cid % CONTROL_SLOTS] if control is not None else 0
+        if refused and index > refused - 2:
+            raise StoreError("io", "chunk reader: skipped, an earlier batch of this restore was refused")
         ref, span, key = ChunkRef(*item[0:6]), Span(*item[6:10]), StateKey(item[10], item[11])
         family, arena_id, offset, lo, hi = item[12:17]
         obj, _n = reader.read_into(ref, host.region(ref.object_bytes))
@@ -273,8 +287,13 @@ def worker_main(argv: list[str]) -> int:
             host.map(*message[1])
             continue
         if message[0] == "host":
-            _kind, task, cid, block, items = message
-            _serve(out, ctxs, maps, task, cid, block, items, lambda _maps, ctx, reader, blk, work: _run_host_batch(host, ctx, reader, blk, work))
+            _kind, task, cid, index, block, items = message
+            control = memoryview(maps[0]).cast("q") if maps else None  # the host pool's control page
+
+            def run(_maps, ctx, reader, blk, work, cid=cid, index=index, control=control):
+                return _run_host_batch(host, control, cid, index, ctx, reader, blk, work)
+
+            _serve(out, ctxs, maps, task, cid, block, items, run)
             continue
         if message[0] == "slices":  # one reply per slice, each as soon as it is done
             _kind, cid, parts = message
@@ -411,6 +430,8 @@ class ReaderPool:
         #: seconds and bytes the workers spent on chunks left to the device, then on chunks
         #: verified completely in a worker (wave slices only): what a host tail costs here
         self.timing = [0.0, 0, 0.0, 0]
+        #: the host pool's control page (its first segment), else None
+        self.control: Any = None
         self.ensure(processes)
 
     def record(self, spent: tuple) -> None:
@@ -441,12 +462,36 @@ class ReaderPool:
         refusal))."""
         return self._send(None, cid, ctx, 1, lambda tasks: ("batch", tasks[0], cid, geometry, items))[0]
 
-    def submit_host(self, worker_index: int, cid: int, ctx: Any, arenas: tuple, block: int, items: list) -> Future:
-        """Read, verify completely and install ``items`` (the host restore: one tuple per
-        chunk, see :func:`_run_host_batch`) in live worker number ``worker_index`` (modulo
-        the live workers), which maps the install ``arenas`` first: a Future that raises the
-        batch's first refusal."""
-        return self._send(worker_index, cid, ctx, 1, lambda tasks: ("host", tasks[0], cid, block, items), arenas)[0]
+    def submit_host(self, index: int, cid: int, ctx: Any, arenas: tuple, block: int, items: list) -> Future:
+        """Read, verify completely and install ``items`` (batch ``index`` of the host restore
+        ``cid``: one tuple per chunk, see :func:`_run_host_batch`) in live worker number
+        ``index`` (modulo the live workers), which maps the install ``arenas`` first: a
+        Future that raises the batch's first refusal. A refusal makes the workers skip the
+        restore's later batches (:meth:`refused`)."""
+        fut = self._send(index, cid, ctx, 1, lambda tasks: ("host", tasks[0], cid, index, block, items), arenas)[0]
+
+        def on_done(f: Future) -> None:
+            if f.exception() is not None:
+                self.refused(cid, index)
+
+        fut.add_done_callback(on_done)
+        return fut
+
+    def refused(self, cid: int, index: int) -> None:
+        """Batch ``index`` of restore ``cid`` was refused: the workers skip its later
+        batches (-1: the restore failed otherwise, they skip every batch not yet read)."""
+        if self.control is None:
+            return
+        with self._lock:
+            slot = cid % CONTROL_SLOTS
+            if not self.control[slot] or index + 2 < self.control[slot]:
+                self.control[slot] = index + 2
+
+    def finished(self, cid: int) -> None:
+        """Restore ``cid`` has no batch left in any worker: its control slot is free."""
+        if self.control is not None:
+            with self._lock:
+                self.control[cid % CONTROL_SLOTS] = 0
 
     def pids(self) -> list[int]:
         """Process ids of the live workers (benchmarks read their CPU time and switches)."""
@@ -497,11 +542,18 @@ _host_pool_lock = threading.Lock()
 
 def host_readers(processes: int) -> ReaderPool:
     """The process-wide reader processes of host restores (no staging: they write into the
-    installs' shared arenas), at least ``processes`` live ones; started at first use."""
+    installs' shared arenas; their one segment is a control page, :data:`CONTROL_SLOTS`),
+    at least ``processes`` live ones; started at first use."""
     global _host_pool
+    import mmap
+
     with _host_pool_lock:
         if _host_pool is None:
-            _host_pool = ReaderPool([], processes)
+            fd = os.memfd_create("kvpack-host-readers", getattr(os, "MFD_CLOEXEC", 1))
+            os.ftruncate(fd, 8 * CONTROL_SLOTS)
+            page = mmap.mmap(fd, 8 * CONTROL_SLOTS)
+            _host_pool = ReaderPool([(fd, 8 * CONTROL_SLOTS)], processes)
+            _host_pool.control = memoryview(page).cast("q")
         _host_pool.ensure(processes)
         return _host_pool
 
@@ -519,4 +571,14 @@ def start_host_readers(processes: int) -> None:
     threading.Thread(target=host_readers, args=(processes,), name="kvpack-host-readers-start", daemon=True).start()
 
 
-__all__ = ["SLICE_COLUMNS", "SLICE_ID_BYTES", "ReaderPool", "WaveSlice", "host_readers", "running_host_readers", "start_host_readers", "worker_main"]
+__all__ = [
+    "CONTROL_SLOTS",
+    "SLICE_COLUMNS",
+    "SLICE_ID_BYTES",
+    "ReaderPool",
+    "WaveSlice",
+    "host_readers",
+    "running_host_readers",
+    "start_host_readers",
+    "worker_main",
+]

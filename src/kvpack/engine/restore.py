@@ -491,7 +491,10 @@ class HostPipeline:
                     self.verified += 1
                     self.nbytes += job.ref.object_bytes
         except BaseException:
-            for fut in futs:  # a worker may still be writing into the install: let it end
+            # a worker may still be writing into the install: let it end (the workers skip
+            # the batches after a refused one)
+            pool.refused(cid, -1)  # every batch before the one raised here has passed
+            for fut in futs:
                 if not fut.done():
                     try:
                         fut.exception(timeout=READ_DEADLINE_S)
@@ -500,6 +503,8 @@ class HostPipeline:
                     except Exception:  # noqa: BLE001 - only waiting for it to end
                         pass
             raise
+        finally:
+            pool.finished(cid)
         phases = {"host_plan_s": round(t_plan - t0, 4), "host_read_processes": processes}
         return PipelineResult(self.verified, self.nbytes, {"host": self.verified}, phases, pipeline="host_processes")
 

@@ -238,3 +238,26 @@ class FaultyOps(FileOps):
             except OSError:
                 pass
         self._fd_path.clear()
+
+
+class LoggingChunkReader:
+    """A POSIX store's reader-process recipe target (``_EnvChunks.worker_reader``) that
+    appends each chunk it reads to ``log_path`` (one content id per line) and sleeps
+    ``delay_s`` before reading any chunk but ``fast`` (a content id): tests see which reads
+    reader processes made after a refusal."""
+
+    def __init__(self, root: str, log_path: str, delay_s: float, fast: bytes) -> None:
+        from ..store.packstore import posix_chunk_reader
+
+        self.inner = posix_chunk_reader(root)
+        self.log_path, self.delay_s, self.fast = log_path, delay_s, fast
+
+    def read_into(self, ref, region):
+        fd = os.open(self.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
+            os.write(fd, ref.content_id.hex().encode() + b"\n")
+        finally:
+            os.close(fd)
+        if ref.content_id != self.fast:
+            time.sleep(self.delay_s)
+        return self.inner.read_into(ref, region)
