@@ -150,6 +150,34 @@ def test_a_refusal_stops_the_workers_reading_later_batches(tmp_path, monkeypatch
     assert len(reads) < len(jobs) // 4, (len(reads), len(jobs))
 
 
+def test_auto_starts_the_workers_in_the_background_and_uses_them_once_running(tmp_path, monkeypatch):
+    """``host_readers = "auto"`` on a many-core machine: a large enough restore keeps its
+    threads and starts the workers behind it; the next restore finds them running."""
+    import time
+
+    from kvpack.engine import chunk_readers, restore
+
+    eng = engine()
+    store, src, hit = _saved(tmp_path, eng)
+    store.host_readers = "auto"
+    monkeypatch.setattr("os.cpu_count", lambda: 16)
+    monkeypatch.setattr(restore, "HOST_READERS_START_BYTES", 1)
+    monkeypatch.setattr(chunk_readers, "_host_pool", None)  # none running yet in this test
+    store.workers = 2
+    try:
+        first = eng.new_session()
+        assert store.restore(hit, first, TOKENS).phases["host_read_processes"] == 0
+        deadline = time.monotonic() + 60
+        while chunk_readers.running_host_readers() is None and time.monotonic() < deadline:
+            time.sleep(0.05)  # the background start
+        second = eng.new_session()
+        assert store.restore(hit, second, TOKENS).phases["host_read_processes"] == 2
+        assert first.cache_digest() == second.cache_digest() == src.cache_digest()
+    finally:
+        if chunk_readers._host_pool is not None:
+            chunk_readers._host_pool.close()
+
+
 def test_a_fault_injecting_file_layer_keeps_the_threads(tmp_path):
     eng = engine()
     store, src, hit = _saved(tmp_path, eng)
