@@ -91,9 +91,9 @@ LOOSE_GATE = ["--ledger-max-tail-ms", "5000"]
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from kvpack.testing.ports import free_port as below_ephemeral
+
+    return below_ephemeral()
 
 
 def foreign_address() -> str:

@@ -24,11 +24,9 @@ pytestmark = pytest.mark.slow
 
 
 def _free_port() -> int:
-    import socket
+    from kvpack.testing.ports import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port()
 
 
 @pytest.fixture(scope="module")

@@ -45,9 +45,9 @@ FINAL = {"completed", "ambiguous", "conflict", "destination_committed_source_ret
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from kvpack.testing.ports import free_port as below_ephemeral
+
+    return below_ephemeral()
 
 
 def tokens(n: int, seed: int = 1) -> list[int]:

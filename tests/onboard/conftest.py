@@ -40,9 +40,9 @@ TRAVERSE_LOCK = Path("/tmp/kvpack-onboard-traverse.lock")
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from kvpack.testing.ports import free_port as below_ephemeral
+
+    return below_ephemeral()
 
 
 def kvpack_env(**extra: str) -> dict[str, str]:

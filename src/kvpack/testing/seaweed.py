@@ -2,7 +2,7 @@
 the ``weed`` binary).
 
 One :class:`SeaweedServer` is one ``weed server -s3`` process with its own data directory,
-its own ports (chosen by binding port 0, so parallel runs do not collide) and its own S3
+its own ports (kvpack.testing.ports: below the ephemeral range, so no outgoing connection takes one before the server binds it) and its own S3
 identity (random access key and secret, written to a 0600 credentials file). ``start``
 waits (bounded) until the S3 port answers and then until an object round trip works (PUT and
 GET of the same bytes: the gateway answers a moment before the volume server serves);
@@ -17,7 +17,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
@@ -33,17 +32,9 @@ def weed_binary() -> str | None:
 
 
 def _free_ports(n: int) -> list[int]:
-    socks, ports = [], []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-            ports.append(s.getsockname()[1])
-    finally:
-        for s in socks:
-            s.close()
-    return ports
+    from .ports import free_ports
+
+    return free_ports(n)
 
 
 class SeaweedServer:
