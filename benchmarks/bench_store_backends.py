@@ -161,9 +161,9 @@ def _usage(pids: list[int]) -> tuple[float, float]:
 
 
 def _reader_pids() -> list[int]:
-    from kvpack.engine.chunk_readers import running_host_readers
+    from kvpack.engine.chunk_readers import host_pool
 
-    pool = running_host_readers()
+    pool = host_pool()
     return pool.pids() if pool is not None else []
 
 

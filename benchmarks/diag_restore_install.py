@@ -88,11 +88,11 @@ _TUNING = {
 def _usage() -> tuple[float, ...]:
     """Minor faults, voluntary and involuntary switches, CPU seconds: this process plus the
     host restore's reader processes (getrusage never counts children that still run)."""
-    from kvpack.engine.chunk_readers import running_host_readers
+    from kvpack.engine.chunk_readers import host_pool
 
     ru = resource.getrusage(resource.RUSAGE_SELF)
     total = [ru.ru_minflt, ru.ru_nvcsw, ru.ru_nivcsw, ru.ru_utime + ru.ru_stime]
-    pool = running_host_readers()
+    pool = host_pool()
     tick = os.sysconf("SC_CLK_TCK")
     for pid in pool.pids() if pool is not None else []:
         try:

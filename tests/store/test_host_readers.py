@@ -169,10 +169,40 @@ def test_auto_starts_the_workers_in_the_background_and_uses_them_once_running(tm
         assert store.restore(hit, first, TOKENS).phases["host_read_processes"] == 0
         deadline = time.monotonic() + 60
         while chunk_readers.running_host_readers() is None and time.monotonic() < deadline:
-            time.sleep(0.05)  # the background start
+            time.sleep(0.05)  # the background start and its probe
         second = eng.new_session()
         assert store.restore(hit, second, TOKENS).phases["host_read_processes"] == 2
         assert first.cache_digest() == second.cache_digest() == src.cache_digest()
+    finally:
+        if chunk_readers._host_pool is not None:
+            chunk_readers._host_pool.close()
+
+
+def test_auto_keeps_the_threads_when_the_workers_cannot_map_an_arena(tmp_path, monkeypatch):
+    """Where the workers cannot open this process's memfds (/proc hiding descriptors), the
+    background start's probe says so and ``"auto"`` keeps restoring on threads."""
+    import time
+
+    from kvpack.engine import chunk_readers, restore
+
+    eng = engine()
+    store, src, hit = _saved(tmp_path, eng)
+    store.host_readers, store.workers = "auto", 2
+    monkeypatch.setattr("os.cpu_count", lambda: 16)
+    monkeypatch.setattr(restore, "HOST_READERS_START_BYTES", 1)
+    monkeypatch.setattr(chunk_readers, "_host_pool", None)
+    monkeypatch.setattr(SharedArena, "spec", lambda self: (self.id, os.path.join(tmp_path, "hidden"), self.nbytes))
+    try:
+        store.restore(hit, eng.new_session(), TOKENS)  # starts them behind it
+        deadline = time.monotonic() + 60
+        while (chunk_readers._host_pool is None or chunk_readers._host_pool.arenas_mappable is not False) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert chunk_readers._host_pool is not None and chunk_readers._host_pool.live() == 2
+        assert chunk_readers._host_pool.arenas_mappable is False  # the probe said so
+        assert chunk_readers.running_host_readers() is None
+        dst = eng.new_session()
+        assert store.restore(hit, dst, TOKENS).phases["host_read_processes"] == 0
+        assert dst.cache_digest() == src.cache_digest()
     finally:
         if chunk_readers._host_pool is not None:
             chunk_readers._host_pool.close()

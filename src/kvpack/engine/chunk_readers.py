@@ -286,6 +286,16 @@ def worker_main(argv: list[str]) -> int:
         if message[0] == "arena":
             host.map(*message[1])
             continue
+        if message[0] == "probe":  # can this worker map an arena of the parent?
+            _kind, task, arena_id = message
+            try:
+                host.arena(arena_id)
+                reply: tuple = ("ok", task, None)
+            except BaseException as exc:  # noqa: BLE001 - the answer is the refusal
+                reply = ("err", task, exc)
+            host.arenas.pop(arena_id, None)  # the probe's arena is closed after it
+            _write_frame(out, reply)
+            continue
         if message[0] == "host":
             _kind, task, cid, index, block, items = message
             control = memoryview(maps[0]).cast("q") if maps else None  # the host pool's control page
@@ -387,7 +397,7 @@ class _Worker:
                 raise BrokenPipeError
             self.pending.update(zip(tasks, futs))
             try:
-                if cid not in self.sent_ctx:
+                if ctx is not None and cid not in self.sent_ctx:  # (a probe has no context)
                     _write_frame(self.proc.stdin, ("ctx", cid, ctx))
                     self.sent_ctx.add(cid)
                     if len(self.sent_ctx) > _KEEP_CTX:
@@ -432,6 +442,9 @@ class ReaderPool:
         self.timing = [0.0, 0, 0.0, 0]
         #: the host pool's control page (its first segment), else None
         self.control: Any = None
+        #: whether every worker mapped a probe arena (:func:`start_host_readers`; None: not
+        #: probed -- a pool started by a forced restore)
+        self.arenas_mappable: bool | None = None
         self.ensure(processes)
 
     def record(self, spent: tuple) -> None:
@@ -558,17 +571,48 @@ def host_readers(processes: int) -> ReaderPool:
         return _host_pool
 
 
-def running_host_readers() -> ReaderPool | None:
+def host_pool() -> ReaderPool | None:
     """The host restores' pool when it has live workers (never starts one)."""
     with _host_pool_lock:
         pool = _host_pool
     return pool if pool is not None and pool.live() else None
 
 
+def running_host_readers() -> ReaderPool | None:
+    """:func:`host_pool` once its workers mapped a probe arena (:func:`start_host_readers`):
+    the pool ``"auto"`` may use."""
+    pool = host_pool()
+    return pool if pool is not None and pool.arenas_mappable is True else None
+
+
+def _probe_arenas(pool: ReaderPool) -> bool:
+    """Whether every live worker maps a one-page arena of this process (by its
+    ``/proc/<pid>/fd`` path: where /proc hides other processes' descriptors, none can)."""
+    from .arrays import SharedArena
+    from .restore import READ_DEADLINE_S
+
+    arena = SharedArena(4096)
+    try:
+        futs = [pool._send(i, 0, None, 1, lambda tasks: ("probe", tasks[0], arena.id), (arena.spec(),))[0] for i in range(pool.live())]
+        return all(f.exception(timeout=READ_DEADLINE_S) is None for f in futs)
+    except Exception:  # noqa: BLE001 - a worker that cannot even be asked: not usable
+        return False
+    finally:
+        arena.map.close()
+        os.close(arena.fd)
+
+
+def _start_and_probe(processes: int) -> None:
+    pool = host_readers(processes)
+    pool.arenas_mappable = _probe_arenas(pool)
+
+
 def start_host_readers(processes: int) -> None:
-    """Start the host restores' workers on a background thread (a restore that does not
-    wait for them keeps its threads; the next one finds them running)."""
-    threading.Thread(target=host_readers, args=(processes,), name="kvpack-host-readers-start", daemon=True).start()
+    """Start the host restores' workers on a background thread, then check that they map
+    an arena of this process (``"auto"`` never uses workers that cannot: restores keep
+    their threads); a restore that does not wait for them keeps its threads, the next one
+    finds them running."""
+    threading.Thread(target=_start_and_probe, args=(processes,), name="kvpack-host-readers-start", daemon=True).start()
 
 
 __all__ = [
@@ -577,6 +621,7 @@ __all__ = [
     "SLICE_ID_BYTES",
     "ReaderPool",
     "WaveSlice",
+    "host_pool",
     "host_readers",
     "running_host_readers",
     "start_host_readers",
