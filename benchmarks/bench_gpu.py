@@ -532,6 +532,7 @@ def main(argv=None) -> int:
     ap.add_argument("--cpu-ceiling", action="store_true", help="also time both hashes on the CPU cores (the first rounds' ceiling)")
     ap.add_argument("--chunk-bytes", type=int, default=None, help="store chunk size (default: the store's default)")
     ap.add_argument("--prefill-attention", default="auto", choices=["auto", "lower_right", "sdpa"])
+    ap.add_argument("--prefill-forward", default="auto", choices=["auto", "lean", "model"], help="the adapter's per-chunk forward (kvpack.engine.lean_prefill)")
     ap.add_argument("--handoff-tokens", type=int, default=32768, help="prompt whose KV bytes the handoff moves (0: skip)")
     ap.add_argument("--segment-tokens", type=int, default=2048, help="handoff segment size in tokens")
     ap.add_argument("--stripes", default="1,2,4,8")
@@ -557,7 +558,12 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     loaded = build_model(args, torch)
     engine = TransformersEngine(
-        loaded, device=args.device, prefill_chunk_tokens=256, max_context=max(args.tokens) + 256, prefill_attention=args.prefill_attention
+        loaded,
+        device=args.device,
+        prefill_chunk_tokens=256,
+        max_context=max(args.tokens) + 256,
+        prefill_attention=args.prefill_attention,
+        prefill_forward=args.prefill_forward,
     )
     build_s = time.perf_counter() - t0
     h2d, d2h = copy_rates(torch, device, 1 << 30)
@@ -572,6 +578,7 @@ def main(argv=None) -> int:
         "dtype": args.dtype,
         "attn": str(engine.config._attn_implementation),
         "prefill_attention": engine.prefill_attention,
+        "prefill_forward": engine.prefill_forward,
         "build_s": round(build_s, 2),
         "h2d_gbps_pinned": round(h2d, 2),
         "d2h_gbps_pinned": round(d2h, 2),

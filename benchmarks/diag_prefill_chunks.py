@@ -13,11 +13,24 @@ script measures exactly that on the device, for the 8B-shaped random model of be
 * ``one_forward_s`` is the whole prompt as one forward (the recompute peer of bench_gpu);
 * ``host_issue_s`` is when the host had issued the last chunk (before the final synchronise).
 
-One JSON line per (tokens, chunk): prefill seconds, ratio to one forward, and
+One JSON line per (tokens, forward, chunk): prefill seconds, ratio to one forward, and
 ``bit_identical_to_256`` with the first differing layer if any. Evidence, not proof: kernel
 choices can change with shapes this run does not cover.
 
+``--forwards model,lean`` runs every chunk size through each of the adapter's per-chunk
+forwards (``prefill_forward``: the model's own forward, kvpack.engine.lean_prefill), each
+compared bit for bit with the first forward's 256 grid, and adds one ``forward_ab`` line per
+length with both forwards' prefill and host-issue time per 256-token chunk from the same run.
+
     python3 benchmarks/diag_prefill_chunks.py --tokens 32768,131072 --chunks 256,1024,2048,4096
+    python3 benchmarks/diag_prefill_chunks.py --tokens 32768,131072 --chunks 256 --forwards model,lean
+
+The host-overhead proxy on a CPU (tiny hidden size, 32 layers: a chunk's time is mostly Python
+and dispatch; docs/bench/prefill_host_profile.md):
+
+    python3 benchmarks/diag_prefill_chunks.py --device cpu --dtype f32 --hidden 64 --heads 4 \
+        --kv-heads 2 --head-dim 16 --intermediate 128 --vocab 512 --prefill-attention lower_right \
+        --tokens 2048 --chunks 256 --forwards model,lean --repeats 5
 """
 
 from __future__ import annotations
@@ -44,26 +57,88 @@ def _compare(base, other, torch) -> tuple[bool, int | None]:
     return True, None
 
 
+def _timed_prefills(engines, chunks, tokens, repeats, sync):
+    """Yields ``(engine, chunk, prefill_s, host_issue_s, session)`` per (chunk, engine): the
+    fastest of ``repeats`` prefills, the engines' repeats interleaved so that a shared
+    machine's load falls on every forward alike."""
+    for c in chunks:
+        best: dict[int, tuple] = {}
+        for _ in range(max(1, repeats)):
+            for i, engine in enumerate(engines):
+                engine.prefill_chunk_tokens = c  # this experiment only: the adapter refuses C > 256
+                s = engine.new_session()
+                sync()
+                t0 = time.perf_counter()
+                s.prefill(tokens)
+                queued = time.perf_counter() - t0
+                sync()
+                dt = time.perf_counter() - t0
+                engine.prefill_chunk_tokens = 256
+                if i not in best or dt < best[i][0]:
+                    best[i] = (dt, queued, s)
+                del s
+        for i, engine in enumerate(engines):
+            dt, queued, s = best.pop(i)
+            yield engine, c, dt, queued, s
+            del s
+
+
+def _forward_ab(n: int, one_s: float, per_forward: dict[str, dict]) -> dict:
+    """One line comparing the per-chunk forwards on the 256 grid, from the same run: each
+    forward's prefill and host-issue time per chunk, and the model forward's time over the lean
+    one (``model_over_lean``, > 1 when the lean forward is faster)."""
+    chunks = -(-n // 256)
+    line: dict = {"bench": "diag_prefill_chunks", "summary": "forward_ab", "tokens": n, "chunks": chunks, "one_forward_s": round(one_s, 4)}
+    for name, got in per_forward.items():
+        line[f"{name}_prefill_s"] = round(got["prefill_s"], 4)
+        line[f"{name}_ms_per_chunk"] = round(got["prefill_s"] / chunks * 1000, 3)
+        line[f"{name}_host_issue_ms_per_chunk"] = round(got["host_issue_s"] / chunks * 1000, 3)
+        line[f"{name}_over_one_forward"] = round(got["prefill_s"] / one_s, 3)
+        line[f"{name}_bit_identical"] = bool(got.get("bit_identical", True))
+    if "model" in per_forward and "lean" in per_forward:
+        line["model_over_lean"] = round(per_forward["model"]["prefill_s"] / per_forward["lean"]["prefill_s"], 3)
+        line["model_over_lean_host_issue"] = round(per_forward["model"]["host_issue_s"] / per_forward["lean"]["host_issue_s"], 3)
+    return line
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", default="32768")
     ap.add_argument("--chunks", default="256,1024,2048,4096")
+    ap.add_argument("--forwards", default="auto", help="comma list of prefill_forward values (auto, lean, model)")
+    ap.add_argument("--prefill-attention", default="auto", choices=["auto", "lower_right", "sdpa"])
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--repeats", type=int, default=1, help="prefills per (forward, chunk); the fastest is reported")
     add_model_arguments(ap)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     args.tokens = [int(x) for x in args.tokens.split(",") if x]
     chunks = [int(x) for x in args.chunks.split(",") if x]
+    forwards = [x for x in args.forwards.split(",") if x]
 
     import torch
 
     from kvpack.engine.transformers_adapter import TransformersEngine
 
     loaded = build_model(args, torch)
-    engine = TransformersEngine(loaded, device=args.device, prefill_chunk_tokens=256, max_context=max(args.tokens) + 256)
+    engines = []
+    for forward in forwards:
+        engine = TransformersEngine(
+            loaded,
+            device=args.device,
+            prefill_chunk_tokens=256,
+            max_context=max(args.tokens) + 256,
+            prefill_attention=args.prefill_attention,
+            prefill_forward=forward,
+            threads=args.threads,
+        )
+        engines.append(engine)
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
-    warm = engine.new_session()
-    warm.prefill([3 + i % (args.vocab - 3) for i in range(1024)])
-    del warm
+    for engine in engines:
+        warm = engine.new_session()
+        warm.prefill([3 + i % (args.vocab - 3) for i in range(1024)])
+        del warm
+    engine = engines[0]
 
     for n in args.tokens:
         tokens = [3 + (i * 7919) % (args.vocab - 3) for i in range(n)]
@@ -80,16 +155,12 @@ def main(argv: list[str] | None = None) -> int:
         del out, one
         base = None
         base_logits = None
-        for c in chunks:
-            engine.prefill_chunk_tokens = c  # this experiment only: the adapter refuses C > 256
-            s = engine.new_session()
-            sync()
-            t0 = time.perf_counter()
-            s.prefill(tokens)
-            queued = time.perf_counter() - t0
-            sync()
-            dt = time.perf_counter() - t0
+        per_forward: dict[str, dict] = {}
+        for engine, c, dt, queued, s in _timed_prefills(engines, chunks, tokens, args.repeats, sync):
             line = {"bench": "diag_prefill_chunks", "tokens": n, "chunk": c, "prefill_s": round(dt, 4), "one_forward_s": round(one_s, 4)}
+            line["forward"] = engine.prefill_forward
+            if c == 256:
+                per_forward[engine.prefill_forward] = {"prefill_s": dt, "host_issue_s": queued}
             # the host's time to issue every chunk: close to prefill_s means the GPU waited
             # for launches (per-chunk Python and kernel launch overhead), not the reverse
             line["host_issue_s"] = round(queued, 4)
@@ -104,10 +175,13 @@ def main(argv: list[str] | None = None) -> int:
                 line["planes_identical"] = same
                 line["logits_identical"] = bool(torch.equal(base_logits, s.last_logits))
                 line["first_differing_layer"] = first
+                if c == 256:
+                    per_forward[engine.prefill_forward]["bit_identical"] = line["bit_identical_to_256"]
                 del s
             _emit(line, args.out)
+        if len(per_forward) > 1:
+            _emit(_forward_ab(n, one_s, per_forward), args.out)
         del base, base_logits, base_session
-        engine.prefill_chunk_tokens = 256
         torch.cuda.empty_cache() if args.device.startswith("cuda") else None
     return 0
 

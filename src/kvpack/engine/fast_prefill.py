@@ -67,26 +67,41 @@ def lower_right_attention(
 ):
     """transformers attention interface: ``query`` (1, heads, q, d) over ``key``/``value``
     (1, kv_heads, kv, d), causal aligned to the last key row. Returns (1, q, heads, d)."""
-    import torch
-    import torch.nn.functional as F
-    from torch.nn.attention.bias import causal_lower_right
-
     if attention_mask is not None:
         raise RuntimeError("kvpack lower-right attention takes no mask (batch 1, no padding)")
-    q_len, kv_len = query.shape[2], key.shape[2]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the bias reports every kernel it could not use
+        return attend(query, key, value, scaling, lower_right_bias(query.shape[2], key.shape[2])), None
+
+
+def lower_right_bias(q_len: int, kv_len: int) -> Any:
+    """The mask argument :func:`attend` takes for ``q_len`` queries over ``kv_len`` keys:
+    ``None`` for one query (decode: it sees every cached row), else the lower-right causal
+    bias. The lean prefill (kvpack.engine.lean_prefill) makes it once per chunk."""
+    if q_len == 1:
+        return None
+    from torch.nn.attention.bias import causal_lower_right
+
+    return causal_lower_right(q_len, kv_len)
+
+
+def attend(query: Any, key: Any, value: Any, scaling: float | None, bias: Any) -> Any:
+    """:func:`lower_right_attention`'s computation with the bias given (callers silence the
+    bias's kernel warnings). Returns (1, q, heads, d), contiguous."""
+    import torch
+    import torch.nn.functional as F
+
     groups = query.shape[1] // key.shape[1]
     native_gqa = query.device.type == "cuda" and query.dtype in (torch.float16, torch.bfloat16)
     if groups > 1 and not native_gqa:  # only the flash kernel takes grouped heads with this mask
         key = key.repeat_interleave(groups, dim=1)
         value = value.repeat_interleave(groups, dim=1)
     gqa = groups > 1 and native_gqa
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the bias reports every kernel it could not use
-        if q_len == 1:  # decode: the one query sees every cached row
-            out = F.scaled_dot_product_attention(query, key, value, dropout_p=0.0, scale=scaling, enable_gqa=gqa)
-        else:
-            out = F.scaled_dot_product_attention(query, key, value, attn_mask=causal_lower_right(q_len, kv_len), dropout_p=0.0, scale=scaling, enable_gqa=gqa)
-    return out.transpose(1, 2).contiguous(), None
+    if bias is None:
+        out = F.scaled_dot_product_attention(query, key, value, dropout_p=0.0, scale=scaling, enable_gqa=gqa)
+    else:
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=bias, dropout_p=0.0, scale=scaling, enable_gqa=gqa)
+    return out.transpose(1, 2).contiguous()
 
 
 def _dynamic_layer() -> type:
@@ -176,4 +191,4 @@ def preallocated_layer_class() -> type:
     return _layer_class[0]
 
 
-__all__ = ["ATTENTION", "GROW_ROWS", "lower_right_attention", "preallocated_layer_class", "register", "unsupported_reason"]
+__all__ = ["ATTENTION", "GROW_ROWS", "attend", "lower_right_attention", "lower_right_bias", "preallocated_layer_class", "register", "unsupported_reason"]

@@ -26,6 +26,7 @@ Determinism (what "same computation order" means here, see docs/engine.md):
 from __future__ import annotations
 
 import hashlib
+import os
 import sys
 import warnings
 from collections.abc import Callable, Iterable, Sequence
@@ -50,6 +51,9 @@ from .models import LoadedModel, canonical_config, config_floats
 ADAPTER_NAME = "kvpack.engine.transformers_adapter"
 ADAPTER_VERSION = 1
 REUSE_BLOCK_TOKENS = TOKEN_ALIGN  # reusable cuts are multiples of kvpack's one token alignment
+
+#: Environment override of ``prefill_forward="auto"``: ``lean`` or ``model``.
+PREFILL_FORWARD_ENV = "KVPACK_PREFILL_FORWARD"
 
 _TORCH_TO_WIRE = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}
 
@@ -79,6 +83,11 @@ class TransformersEngine:
     and lower-right causal attention (kvpack.engine.fast_prefill: the flash kernel on CUDA,
     no cache concatenation); ``"sdpa"`` keeps transformers' own path; ``"auto"`` (default)
     is ``lower_right`` on CUDA for models it supports. Recorded in the engine ABI.
+    ``prefill_forward``: ``"lean"`` runs each prefill chunk through
+    kvpack.engine.lean_prefill (transformers' Llama ops without its per-call plumbing, the
+    same bits; needs ``prefill_attention`` ``lower_right``); ``"model"`` calls the model's
+    forward; ``"auto"`` (default) is ``$KVPACK_PREFILL_FORWARD`` when set, else ``lean``
+    where supported. Recorded in the engine ABI.
     """
 
     def __init__(
@@ -91,6 +100,7 @@ class TransformersEngine:
         max_context: int | None = None,
         adapter: dict[str, Any] | None = None,
         prefill_attention: str = "auto",
+        prefill_forward: str = "auto",
     ) -> None:
         torch = _torch()
         if sys.byteorder != "little":
@@ -114,6 +124,7 @@ class TransformersEngine:
         self.config = self.model.config
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.prefill_attention = self._choose_prefill_attention(prefill_attention)
+        self.prefill_forward = self._choose_prefill_forward(prefill_forward)
         self.threads = torch.get_num_threads()
         self.max_context = int(max_context or getattr(self.config, "max_position_embeddings", 0) or 0)
         if self.max_context <= 0:
@@ -135,6 +146,22 @@ class TransformersEngine:
                 raise EngineError("unsupported", f"prefill_attention lower_right: {reason}")
             fast_prefill.register()
             self.config._attn_implementation = fast_prefill.ATTENTION
+        return wanted
+
+    def _choose_prefill_forward(self, wanted: str) -> str:
+        from . import lean_prefill
+
+        if wanted == "auto":
+            # The environment lets one run A/B both paths without code changes (bench_gpu,
+            # diag_prefill_chunks on the H200).
+            wanted = os.environ.get(PREFILL_FORWARD_ENV, "") or "auto"
+        if wanted not in ("auto", "lean", "model"):
+            raise EngineError("unsupported", f"prefill_forward {wanted!r}: auto, lean or model")
+        reason = lean_prefill.unsupported_reason(self.model, self.prefill_attention)
+        if wanted == "auto":
+            return "lean" if reason is None else "model"
+        if wanted == "lean" and reason is not None:
+            raise EngineError("unsupported", f"prefill_forward lean: {reason}")
         return wanted
 
     # -- layout ---------------------------------------------------------------------------
@@ -249,6 +276,10 @@ class TransformersEngine:
         }
         if self.prefill_attention == "lower_right":  # absent otherwise: identities made before it stay valid
             abi["prefill"] = "kvpack lower-right causal attention over preallocated cache rows"
+        if self.prefill_forward == "lean":  # absent otherwise, like "prefill"
+            from .lean_prefill import ABI_RECORD
+
+            abi["prefill_forward"] = ABI_RECORD
         if self.device.type == "cuda":
             abi["cuda"] = str(torch.version.cuda)
             abi["device_name"] = torch.cuda.get_device_name(self.device)
@@ -347,8 +378,10 @@ class EngineSession:
             return host.to(self.engine.device)
         return host.pin_memory().to(self.engine.device, non_blocking=True)
 
-    def _forward(self, ids: list[int], device_ids: Any = None) -> None:
-        """Forward ``ids`` (``device_ids``: the same ids already on the device)."""
+    def _forward(self, ids: list[int], *, lean: Any = None, device_ids: Any = None) -> None:
+        """Forward ``ids`` after the tokens so far; ``lean`` (a kvpack.engine.lean_prefill
+        plan) runs them through the lean forward instead of the model's (the same bits).
+        ``device_ids``: ``ids`` already on the device as a ``(1, n)`` long tensor."""
         torch = _torch()
         if torch.get_num_threads() != self.engine.threads:
             # The count is process-wide and part of this engine's identity; another engine
@@ -357,9 +390,27 @@ class EngineSession:
             torch.set_num_threads(self.engine.threads)
         x = device_ids if device_ids is not None else torch.tensor([ids], dtype=torch.long, device=self.engine.device)
         with torch.inference_mode():
-            out = self.engine.model(input_ids=x, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+            if lean is not None:
+                from .lean_prefill import forward_chunk
+
+                logits = forward_chunk(lean, self.cache.layers, x, self.position)
+            else:
+                logits = self.engine.model(input_ids=x, past_key_values=self.cache, use_cache=True, logits_to_keep=1).logits
         self.tokens.extend(ids)
-        self.last_logits = out.logits[0, -1].float()
+        self.last_logits = logits[0, -1].float()
+
+    def _lean_plan(self) -> Any:
+        """The lean forward's plan for this prefill (kvpack.engine.lean_prefill), or ``None``
+        when the engine runs the model's forward. Refuses if forward hooks were added to the
+        model since the engine was built: the lean forward would skip them."""
+        if self.engine.prefill_forward != "lean":
+            return None
+        from .lean_prefill import hooks_reason, plan
+
+        reason = hooks_reason(self.engine.model)
+        if reason is not None:
+            raise EngineError("unsupported", f"prefill_forward lean: {reason}; build the engine with prefill_forward='model'")
+        return plan(self.engine.model)
 
     def prefill(
         self,
@@ -378,6 +429,7 @@ class EngineSession:
         if chunk_size is not None and chunk_size != chunk:
             raise EngineError("identity", f"chunk_size {chunk_size} differs from the engine's prefill_chunk_tokens {chunk}")
         ids = self._check_tokens(token_ids)
+        lean = self._lean_plan()
         for layer in self.cache.layers:  # preallocated rows: room for the whole prompt at once
             if hasattr(layer, "reserve"):
                 layer.reserve(self.position + len(ids))
@@ -386,7 +438,7 @@ class EngineSession:
         while i < len(ids):
             pos = self.position
             stop = min((pos // chunk + 1) * chunk - pos, len(ids) - i)
-            self._forward(ids[i : i + stop], on_device[:, i : i + stop])
+            self._forward(ids[i : i + stop], lean=lean, device_ids=on_device[:, i : i + stop])
             i += stop
             if on_chunk is not None:
                 on_chunk(self)

@@ -1,0 +1,264 @@
+"""A lean per-chunk prefill forward for the Llama family: the same torch ops as transformers'
+``LlamaForCausalLM`` forward, without its per-call plumbing (the adapter's ``prefill_forward``).
+
+On the H200 the adapter's 256-token chunked prefill was bound by the host: issuing one chunk
+(Python plus kernel launches) took ~31 ms against ~11.5 ms of GPU work (docs/benchmarks.md).
+Part of that is transformers' generic machinery, paid per chunk and per layer: the output
+capturing and config-default decorators, the mask builder, ``nn.Module.__call__`` around every
+norm, projection and activation (hook checks, kwargs), the gradient-checkpointing layer wrapper,
+the attention-interface lookup, ``DynamicCache.update`` indirection and the output records.
+:func:`forward_chunk` runs one chunk as straight-line code instead:
+
+* embedding, positions ``arange(n) + past`` and the rotary ``cos``/``sin`` through the model's own
+  modules' ``forward`` (so any RoPE variant the module implements is computed the same way);
+* per layer: ``input_layernorm.forward``, the q/k/v projections as three separate
+  ``F.linear`` calls (exactly ``nn.Linear.forward``), transformers' own
+  ``apply_rotary_pos_emb``, the cache layer's ``update`` (kvpack.engine.fast_prefill's
+  preallocated rows), the registered lower-right attention, ``o_proj``, the residual add,
+  ``post_attention_layernorm.forward``, ``down(act(gate(x)) * up(x))``, the residual add;
+* the final norm over every row (a norm over the last row alone could reduce differently on
+  a device), then ``lm_head`` on the last row only, as ``logits_to_keep=1`` does.
+
+Same ops, same operands, same order, same dtypes: the bits equal the model's own forward, which
+the tests check plane by plane (tests/gpu/test_lean_prefill.py, on the CPU and on CUDA). What
+cannot be mirrored is refused (:func:`unsupported_reason`), and the adapter then keeps the
+model's forward. Decode (one token per forward) keeps the model's forward.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+#: The engine ABI's record of this path (absent from the ABI when the model's forward runs).
+ABI_RECORD = "kvpack lean Llama chunk forward: transformers modeling_llama ops, same order and dtypes"
+
+
+def _llama_classes() -> dict[str, type]:
+    from transformers.models.llama import modeling_llama as ml
+
+    return {
+        "causal_lm": ml.LlamaForCausalLM,
+        "model": ml.LlamaModel,
+        "layer": ml.LlamaDecoderLayer,
+        "attention": ml.LlamaAttention,
+        "mlp": ml.LlamaMLP,
+        "norm": ml.LlamaRMSNorm,
+        "rotary": ml.LlamaRotaryEmbedding,
+    }
+
+
+def _exactly(obj: Any, cls: type) -> bool:
+    """``type(obj) is cls`` (a subclass may override any step), without narrowing ``obj``."""
+    return type(obj) is cls
+
+
+def _has_hooks(module: Any) -> bool:
+    return bool(module._forward_hooks or module._forward_pre_hooks or getattr(module, "_forward_hooks_with_kwargs", None))
+
+
+def unsupported_reason(model: Any, prefill_attention: str) -> str | None:
+    """``None`` if :func:`forward_chunk` computes exactly what ``model`` computes, else why not.
+
+    The classes must be exactly transformers' Llama classes (a subclass may override any
+    step), the prefill must use kvpack's lower-right attention over preallocated rows, no
+    forward hooks may be registered (the lean path would skip them), and the model must not
+    be kernelized (hub kernels replace module forwards)."""
+    import torch
+
+    if prefill_attention != "lower_right":
+        return f"prefill_attention {prefill_attention}: the lean forward runs kvpack's lower-right attention only"
+    cls = _llama_classes()
+    if not _exactly(model, cls["causal_lm"]):
+        return f"model class {type(model).__name__}: only LlamaForCausalLM"
+    base = model.model
+    if not _exactly(base, cls["model"]) or not _exactly(base.norm, cls["norm"]) or not _exactly(base.rotary_emb, cls["rotary"]):
+        return "the base model is not transformers' LlamaModel with its own norm and rotary embedding"
+    if getattr(model, "_use_kernels", False) or getattr(model, "use_kernels", False):
+        return "the model is kernelized (hub kernels replace module forwards)"
+    if model.training:
+        return "the model is in training mode"
+    if len(base.layers) != int(model.config.num_hidden_layers):
+        return "the layer list and num_hidden_layers disagree"
+    for i, layer in enumerate(base.layers):
+        parts = (
+            (layer, "layer"),
+            (layer.self_attn, "attention"),
+            (layer.mlp, "mlp"),
+            (layer.input_layernorm, "norm"),
+            (layer.post_attention_layernorm, "norm"),
+        )
+        for module, kind in parts:
+            if not _exactly(module, cls[kind]):
+                return f"layer {i}: {type(module).__name__} is not transformers' {cls[kind].__name__}"
+        for proj in (
+            layer.self_attn.q_proj,
+            layer.self_attn.k_proj,
+            layer.self_attn.v_proj,
+            layer.self_attn.o_proj,
+            layer.mlp.gate_proj,
+            layer.mlp.up_proj,
+            layer.mlp.down_proj,
+        ):
+            if not _exactly(proj, torch.nn.Linear):
+                return f"layer {i}: projection {type(proj).__name__} is not torch.nn.Linear"
+    if not _exactly(model.lm_head, torch.nn.Linear):
+        return f"lm_head {type(model.lm_head).__name__} is not torch.nn.Linear"
+    return hooks_reason(model)
+
+
+def hooks_reason(model: Any) -> str | None:
+    """Why the lean forward cannot run now because of hooks (checked before every prefill:
+    hooks can be added after the engine is built), or ``None``."""
+    from torch.nn.modules import module as torch_module
+
+    if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
+        return "global module forward hooks are registered"
+    for name, module in model.named_modules():
+        if _has_hooks(module):
+            return f"module {name or type(model).__name__} has forward hooks"
+    return None
+
+
+class _Norm(NamedTuple):
+    weight: Any
+    eps: float
+
+
+class _Layer(NamedTuple):
+    """One decoder layer's tensors and constants, read once per prefill (``nn.Module``
+    attribute lookups cost more than the ops around them at this size)."""
+
+    input_norm: _Norm
+    q: tuple[Any, Any]
+    k: tuple[Any, Any]
+    v: tuple[Any, Any]
+    o: tuple[Any, Any]
+    post_norm: _Norm
+    gate: tuple[Any, Any]
+    up: tuple[Any, Any]
+    down: tuple[Any, Any]
+    act: Any
+    head_dim: int
+    scaling: float
+
+
+class Plan(NamedTuple):
+    """What :func:`forward_chunk` reads from the model, gathered by :func:`plan`."""
+
+    model: Any
+    embed: Any
+    rotary: Any
+    layers: tuple[_Layer, ...]
+    norm: _Norm
+    lm_head: tuple[Any, Any]
+
+
+def _linear(module: Any) -> tuple[Any, Any]:
+    return module.weight, module.bias
+
+
+def _norm(module: Any) -> _Norm:
+    return _Norm(module.weight, module.variance_epsilon)
+
+
+def plan(model: Any) -> Plan:
+    """The model's tensors and constants for :func:`forward_chunk` (gathered per prefill, so
+    a model whose parameters are replaced between prefills is read afresh)."""
+    base = model.model
+    layers = []
+    for decoder in base.layers:
+        attn, mlp = decoder.self_attn, decoder.mlp
+        layers.append(
+            _Layer(
+                input_norm=_norm(decoder.input_layernorm),
+                q=_linear(attn.q_proj),
+                k=_linear(attn.k_proj),
+                v=_linear(attn.v_proj),
+                o=_linear(attn.o_proj),
+                post_norm=_norm(decoder.post_attention_layernorm),
+                gate=_linear(mlp.gate_proj),
+                up=_linear(mlp.up_proj),
+                down=_linear(mlp.down_proj),
+                act=mlp.act_fn.forward,
+                head_dim=int(attn.head_dim),
+                scaling=attn.scaling,
+            )
+        )
+    return Plan(model, base.embed_tokens.forward, base.rotary_emb.forward, tuple(layers), _norm(base.norm), _linear(model.lm_head))
+
+
+def forward_chunk(plan: Plan, cache_layers: list[Any], input_ids: Any, past: int) -> Any:
+    """One prefill chunk: ``input_ids`` ``(1, n)`` at absolute positions ``[past, past + n)``;
+    ``cache_layers`` are the cache's layers (``update`` appends K/V rows and returns the rows
+    so far). Returns the logits of the last row, shape ``(1, 1, vocab)``, as
+    ``model(..., logits_to_keep=1).logits``.
+
+    Every line mirrors transformers 5.x ``modeling_llama`` (named in the comments) with the
+    registered lower-right attention (kvpack.engine.fast_prefill) for the attention call; the
+    tests hold it to the model's forward bit for bit."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # lower_right_attention silences the bias's kernel warnings
+        return _forward_chunk(plan, cache_layers, input_ids, past)
+
+
+def _forward_chunk(plan: Plan, cache_layers: list[Any], input_ids: Any, past: int) -> Any:
+    import torch
+    import torch.nn.functional as F
+
+    from ..errors import EngineError
+    from .fast_prefill import attend, lower_right_bias
+
+    float32 = torch.float32
+    linear, rsqrt, cat = F.linear, torch.rsqrt, torch.cat
+
+    def rms_norm(hidden: Any, norm: _Norm) -> Any:  # LlamaRMSNorm.forward
+        input_dtype = hidden.dtype
+        hidden = hidden.to(float32)
+        variance = hidden.pow(2).mean(-1, keepdim=True)
+        hidden = hidden * rsqrt(variance + norm.eps)
+        return norm.weight * hidden.to(input_dtype)
+
+    # LlamaModel.forward: embeddings, positions arange(n) + past_seen_tokens, rotary cos/sin
+    hidden = plan.embed(input_ids)
+    position_ids = (torch.arange(hidden.shape[1], device=hidden.device) + past).unsqueeze(0)
+    cos, sin = plan.rotary(hidden, position_ids)
+    # apply_rotary_pos_emb(unsqueeze_dim=1): the same views for every layer
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    input_shape = hidden.shape[:-1]
+    # lower_right_attention's bias for (query rows, key rows): the same for every layer
+    q_len = hidden.shape[1]
+    kv_len = past + q_len
+    bias = lower_right_bias(q_len, kv_len)
+    for layer, cache_layer in zip(plan.layers, cache_layers):
+        # LlamaDecoderLayer.forward
+        residual = hidden
+        hidden = rms_norm(hidden, layer.input_norm)
+        # LlamaAttention.forward
+        hidden_shape = (*input_shape, -1, layer.head_dim)
+        query = linear(hidden, *layer.q).view(hidden_shape).transpose(1, 2)
+        key = linear(hidden, *layer.k).view(hidden_shape).transpose(1, 2)
+        value = linear(hidden, *layer.v).view(hidden_shape).transpose(1, 2)
+        # apply_rotary_pos_emb with rotate_half: x * cos + cat(-x2, x1) * sin
+        half = layer.head_dim // 2
+        query = (query * cos) + (cat((-query[..., half:], query[..., :half]), dim=-1) * sin)
+        key = (key * cos) + (cat((-key[..., half:], key[..., :half]), dim=-1) * sin)
+        key, value = cache_layer.update(key, value)
+        if key.shape[2] != kv_len:  # the bias above was made for kv_len rows
+            raise EngineError("layout", f"cache holds {key.shape[2]} rows after the chunk, expected {kv_len}")
+        out = attend(query, key, value, layer.scaling, bias)
+        out = out.reshape(*input_shape, -1).contiguous()
+        hidden = linear(out, *layer.o)
+        hidden = residual + hidden
+        residual = hidden
+        hidden = rms_norm(hidden, layer.post_norm)
+        # LlamaMLP.forward: down(act(gate(x)) * up(x))
+        hidden = linear(layer.act(linear(hidden, *layer.gate)) * linear(hidden, *layer.up), *layer.down)
+        hidden = residual + hidden
+    hidden = rms_norm(hidden, plan.norm)
+    # LlamaForCausalLM.forward with logits_to_keep=1: slice(-1, None) of the normed rows
+    return linear(hidden[:, slice(-1, None), :], *plan.lm_head)
+
+
+__all__ = ["ABI_RECORD", "Plan", "forward_chunk", "hooks_reason", "plan", "unsupported_reason"]
