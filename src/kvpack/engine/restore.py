@@ -5,7 +5,9 @@ are (a :class:`ChunkSource` over its storage environment); this module decides *
 reach the engine, which depends on the engine's install, not on the store:
 
 * :class:`HostPipeline` -- workers read and fully verify each chunk, this thread installs
-  the rows (any install; on CUDA through per-chunk pinned slots, ``install.stager``);
+  the rows (any install; on CUDA through per-chunk pinned slots, ``install.stager``); with
+  ``RestoreTuning.host_readers`` the workers are reader processes that write the verified
+  rows into the install's shared planes (``SharedPlanes``);
 * :class:`PlanePipeline` -- whole-plane staging (``install.plane_stager``): chunks of one
   (layer, role) are verified in place in one pinned buffer, the plane installed in one copy;
 * :class:`DeviceVerifiedPipeline` -- the two long hashes on the device
@@ -318,7 +320,8 @@ class HostPipeline:
     thread (on the 16-core H200 host the warm restore ran at 0.32 of "read + both hashes"
     with the copy here). Refusals are still raised in job order here (the first refused job
     in job order is the refusal), and this returns only after every worker stopped, so
-    nothing writes into an install the caller aborts."""
+    nothing writes into an install the caller aborts. With reader processes
+    (:meth:`reader_processes`) the same holds for :meth:`run_processes`."""
 
     #: most chunks one reader-process batch holds (``run_processes``)
     HOST_BATCH = 8
