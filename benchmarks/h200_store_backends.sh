@@ -24,7 +24,9 @@
 #   $KVPACK_STORE_BENCH_ARGS replaces the benchmark's size arguments (default
 #   "--tokens 65536 --threads 16 --repeat 3 --save-writers 16": 1 GiB, 4 MiB chunks, and
 #   the save timed again at 16 chunk-writing threads beside the default 32; ~130 s on the
-#   H200). Then, in the time left of $KVPACK_STORE_BUDGET_S (235; $KVPACK_STORE_DIAG_S = 45 s
+#   H200; the line's posix.host_readers has the warm and cold restore in 16 reader
+#   processes beside the threads and the same run's ceilings, with CPU and voluntary
+#   switches per GiB). Then, in the time left of $KVPACK_STORE_BUDGET_S (235; $KVPACK_STORE_DIAG_S = 45 s
 #   are kept for it), benchmarks/diag_restore_install.py ($KVPACK_STORE_DIAG_ARGS, default
 #   "--tokens 65536 --threads 16,15,12,8 --restores 3": every variant and both ceilings, with
 #   page faults, context switches and CPU per GiB; stopped by the budget it still prints the
