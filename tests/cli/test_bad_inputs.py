@@ -199,6 +199,8 @@ def _bad_values(action: argparse.Action) -> list[str]:
         return ["zz", "abc", "Z" * 64]
     if name == "engine":
         return ["gpt9", "arrays:0", "arrays:a"]
+    if name == "tls fronts":
+        return ["-1", "65", "many", "1.5", ""]
     raise AssertionError(f"{action.option_strings or action.dest}: no bad values known for type {t!r}; extend _bad_values")
 
 

@@ -51,7 +51,7 @@ def _sock_path(name: str) -> str:
 class Tier:
     """One decode node (``slots`` decode slots, local API) and its producers."""
 
-    def __init__(self, root, *, producers=("prefill-a",), slots=8, strict=(), pacing=None, api_limits=None, stripes=1):
+    def __init__(self, root, *, producers=("prefill-a",), slots=8, strict=(), pacing=None, api_limits=None, stripes=1, tls_fronts=0):
         self.root = str(root)
         self.engine = load_engine(ENGINE)
         self.enrolled = Enrolled(os.path.join(self.root, "cluster"), self.engine, producers=producers)
@@ -80,6 +80,7 @@ class Tier:
             stripes=stripes,
             metrics_port=None,
             api_limits=api_limits,
+            tls_fronts=tls_fronts,
         ).start()
 
     def stop(self):
@@ -135,9 +136,10 @@ def test_eight_concurrent_sessions_decode_bit_identically(tier):
     assert len({tuple(s[0][:5]) for s in t.sessions()}) == 8
 
 
-@pytest.mark.parametrize("stripes", [2, 4])
-def test_striped_handoff_is_bit_identical_and_commits_once(tier, stripes):
-    t = tier(slots=1)
+@pytest.mark.parametrize("stripes,fronts", [(2, 0), (4, 0), (4, 2)])
+def test_striped_handoff_is_bit_identical_and_commits_once(tier, stripes, fronts):
+    t = tier(slots=1, tls_fronts=fronts)
+    assert (t.receiver.listener.snapshot()["tls_fronts"] or {}).get("live") == (fronts or None)
     prompt = _prompt(3, 1900)
     res = t.receiver.generate(prompt, 6, stripes=stripes)
     assert (res["tokens"], res["logits_sha256"]) == reference(t.engine, prompt)
@@ -153,10 +155,13 @@ def test_striped_handoff_is_bit_identical_and_commits_once(tier, stripes):
     follow = prompt[:1024] + [9, 8, 7, 6]
     res2 = t.receiver.generate(follow, 6, stripes=stripes)
     assert (res2["tokens"], res2["logits_sha256"]) == reference(t.engine, follow)
+    if fronts:  # every stripe of both transfers was decrypted by a front process
+        assert t.receiver.listener.snapshot()["tls_fronts"]["relayed_total"] == stripes + res2["transfer"]["stripes"]
 
 
-def test_a_stripe_refused_mid_stream_aborts_all_with_nothing_installed(tier):
-    t = tier(slots=1)
+@pytest.mark.parametrize("fronts", [0, 2])
+def test_a_stripe_refused_mid_stream_aborts_all_with_nothing_installed(tier, fronts):
+    t = tier(slots=1, tls_fronts=fronts)
     t.receiver.generate(_prompt(1, 300), 4)  # a live session to keep intact
     before = t.sessions()
     proxy = Proxy(t.receiver.data_port, flip_at=300_000)  # inside the first stripe's tiles
@@ -168,6 +173,8 @@ def test_a_stripe_refused_mid_stream_aborts_all_with_nothing_installed(tier):
         proxy.close()
     assert proxy.flipped
     assert info.value.category in ("digest", "sink", "aborted", "tls")
+    if fronts:
+        assert t.receiver.listener.snapshot()["tls_fronts"]["relayed_total"] >= 4
     assert t.sessions() == before  # nothing installed
     refused = [r for r in receipts(t.rdir) if r["verdict"] == "refused"]
     assert any(r["reason"] in ("digest", "tls") for r in refused)
@@ -225,8 +232,9 @@ def _hold(port: int, idle: int, trickling: int, stop: threading.Event) -> list:
     return held
 
 
-def test_idle_and_trickling_connections_on_each_port_do_not_stop_requests(tier):
-    t = tier(slots=4)
+@pytest.mark.parametrize("fronts", [0, 2])
+def test_idle_and_trickling_connections_on_each_port_do_not_stop_requests(tier, fronts):
+    t = tier(slots=4, tls_fronts=fronts)
     # the handshake deadline is what frees a held slot; the nodes keep the default 5 s
     stop = threading.Event()
     held = []

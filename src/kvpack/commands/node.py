@@ -108,6 +108,7 @@ def cmd_receiver(args: argparse.Namespace) -> int:
         api_limits=ApiLimits(max_request_bytes=args.max_request_bytes, max_new_tokens=args.max_new_tokens_limit),
         slot_wait_s=args.slot_wait,
         ledger_max_tail_ms=args.ledger_max_tail_ms,
+        tls_fronts=args.tls_fronts,
     )
     _prepare_metrics(node, metrics_host, metrics_tls, args)
     _bind(node)
@@ -121,6 +122,8 @@ def cmd_receiver(args: argparse.Namespace) -> int:
         "socket": node.socket_path,
         "producers": [link.name for link in node.links],
         "decode_slots": node.decode_slot_count,
+        # TLS front processes of the data listener (0: handshakes and records in-process)
+        "tls_fronts": node.tls_fronts,
         "ledger_probe_max_ms": None if node.probe is None else round(node.probe.max_ms, 3),
     }
     _announce(ready)
@@ -401,6 +404,13 @@ def register(sub) -> None:
     p.add_argument("--max-request-bytes", type=int_range(1 << 10, 1 << 30), default=8 << 20, help="the largest local API request line")
     p.add_argument("--slot-wait", type=duration, default=60.0, help="seconds a request waits for a free decode slot before it is refused")
     p.add_argument("--socket", type=unix_socket_path, help="local API Unix socket (default: <config dir>/state/receiver.sock)")
+    p.add_argument(
+        "--tls-fronts",
+        type=_tls_fronts,
+        default="auto",
+        help="TLS front processes of the data listener: they run handshakes and decrypt, so striped handoffs decrypt in parallel "
+        "(0: in this process; default auto: min(8, cpus/2) on 8 cores or more, else 0)",
+    )
     p.add_argument("--advertise-port", type=port, help="data port to advertise in requests (NAT, proxies; default: the bound data port)")
     p.add_argument(
         "--ledger-max-tail-ms",
@@ -466,6 +476,20 @@ def register(sub) -> None:
     )
     p.add_argument("--timeout", type=duration, default=900.0, help="seconds to wait for an admitted transfer")
     p.set_defaults(func=cmd_receive, extras=("node",))
+
+
+def _tls_fronts(text: str) -> str:
+    from ..errors import KvpackError
+    from ..node.tls_front import resolve_fronts
+
+    try:
+        resolve_fronts(text)
+    except KvpackError as exc:
+        raise argparse.ArgumentTypeError(exc.message) from None
+    return text
+
+
+_tls_fronts.__name__ = "tls fronts"  # argparse names the type in its error: "invalid tls fronts value"
 
 
 def _tokens_file(text: str) -> str:

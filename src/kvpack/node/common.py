@@ -101,7 +101,8 @@ def read_control(channel, deadline: float, decoder: Optional[ControlDecoder] = N
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise TimeoutError("no control message before the deadline")
-        if not channel.sock.pending():
+        buffered = getattr(channel.sock, "pending", None)  # an SSLSocket's decrypted record; a relay's socket has none
+        if buffered is None or not buffered():
             r, _, _ = select.select([channel.sock], [], [], remaining)
             if not r:
                 continue

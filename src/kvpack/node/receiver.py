@@ -76,6 +76,7 @@ from .receipts import ReceiptWriter, RefusalLog
 from .slots import DecodeSlots, Slot
 from .status import attach_receiver, log_request
 from .striping import parse_stripe
+from .tls_front import FrontPool, FrontsSetting, resolve_fronts
 from .transport import Limits, Listener, bind_tcp
 from .wire import TileGeometry, copy_prefix, span_layout, wire_identity
 
@@ -195,6 +196,7 @@ class ReceiverNode:
         max_sessions: int = 8,
         unsolicited_slots: int = 2,
         ledger_max_tail_ms: Optional[float] = None,
+        tls_fronts: FrontsSetting = "auto",
     ) -> None:
         self.configs: list[ReceiverConfig] = [config] if isinstance(config, ReceiverConfig) else list(config)
         if not self.configs:
@@ -218,6 +220,10 @@ class ReceiverNode:
         self.decode_slot_count = max(1, decode_slots)
         self.stripes = max(1, min(MAX_STRIPES, stripes))
         self.limits = limits or Limits()
+        #: TLS front processes of the data listener (kvpack.node.tls_front): "auto" is
+        #: min(8, cpus // 2) on 8 cores or more, else 0 (handshakes and records in-process)
+        self.tls_fronts = resolve_fronts(tls_fronts)
+        self._fronts: Optional[FrontPool] = None
         self.api_limits = api_limits or ApiLimits()
         self.slot_wait_s = slot_wait_s
         self.first_frame_s = FIRST_FRAME_S
@@ -263,6 +269,9 @@ class ReceiverNode:
             self._data_ctx = server_context(self._data_ep)
             self._sock = bind_tcp(cfg.listen_host, cfg.listen_port, "data listener")
             self.data_port = self._sock.getsockname()[1]
+            if self.tls_fronts:
+                # spawned before any model loads (fresh interpreters; fail fast on the key)
+                self._fronts = FrontPool("receiver-data", self._data_ep, self.tls_fronts, self.limits.handshake_s).start()
             if self.socket_path:
                 self._api_socket = ApiSocket(self.socket_path)
             self._serve_metrics()
@@ -323,6 +332,7 @@ class ReceiverNode:
             limits=self.limits,
             refusals=self.refusal_log,
             on_refused=self._tls_refused,
+            fronts=self._fronts,
         )
         self.listener.start()
         attach_receiver(self)  # status page sections and readiness checks
@@ -346,10 +356,13 @@ class ReceiverNode:
 
     def _release(self) -> None:
         if self.listener is not None:
-            self.listener.stop()
+            self.listener.stop()  # stops the fronts too
             self.listener = None
         elif self._sock is not None:
             self._sock.close()
+        if self._fronts is not None:
+            self._fronts.stop()
+            self._fronts = None
         self._sock = None
         if self.api is None and self._api_socket is not None:
             self._api_socket.close()

@@ -35,7 +35,7 @@ import platform
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Optional
 
 from .. import __version__
 from ..logs import event
@@ -318,6 +318,12 @@ def _resident(resident: Any) -> dict[str, Any] | None:
     return {"entries": len(resident), "bytes": int(nbytes() if callable(nbytes) else nbytes), "max_bytes": getattr(resident, "max_bytes", None)}
 
 
+def _fronts(node: Any) -> Optional[dict]:
+    """The data listener's TLS fronts (configured, live, restarts, connections each)."""
+    pool = getattr(node, "_fronts", None)
+    return None if pool is None else pool.snapshot()
+
+
 def attach_receiver(node: Any, *, cluster_dir: str | None = None) -> None:
     """Register the decode node's snapshot and readiness checks (called from its start())."""
     board: StatusBoard = node.metrics.status
@@ -338,7 +344,7 @@ def attach_receiver(node: Any, *, cluster_dir: str | None = None) -> None:
         ]
         resident = getattr(node, "resident", None)
         out: Snapshot = {
-            "node": {"model": labels, "data_port": getattr(node, "data_port", None), "cluster_dir": cluster_dir},
+            "node": {"model": labels, "data_port": getattr(node, "data_port", None), "cluster_dir": cluster_dir, "tls_fronts": _fronts(node)},
             "sessions": sessions,
             "resident": _resident(resident),
             "transfers": _recent(node.receipts),

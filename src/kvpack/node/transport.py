@@ -22,6 +22,12 @@ byte every few seconds held a handshake forever. Here:
 * **Deadlines after authentication** (:class:`Deadline`, :func:`fill`): every read runs
   under ``min(gap, what is left of the whole)``, so neither a silent nor a trickling
   authenticated peer holds a worker past its deadline.
+* **TLS fronts** (optional, ``fronts=``; :mod:`.tls_front`): the acceptor still accepts,
+  limits and counts, but hands each connection to a front *process* that runs the
+  handshake and, once the peer is verified, relays plaintext over a socketpair; the worker
+  gets a :class:`~kvpack.node.tls_front.RelayChannel` instead of a ``TlsChannel``. Why: one
+  process's TLS reads take the GIL once per 16 KiB record, which capped a striped handoff
+  (docs/bench/nodes_profile.md, rounds 4 and 5).
 
 What it must never do: run protocol code for a peer that has not authenticated, block the
 acceptor thread on one peer, or let any wait go without a deadline.
@@ -38,11 +44,12 @@ import ssl
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 from ..errors import KvpackError, NetworkError, ProtocolError
 from ..security.tls import TlsChannel, TlsEndpoint, map_tls_error, tune_socket, verify_peer
 from .receipts import RefusalLog
+from .tls_front import FrontPool, RelayChannel
 
 log = logging.getLogger("kvpack.node.transport")
 
@@ -120,8 +127,10 @@ class Counts:
     refused_total: int = 0
 
 
+#: a verified connection: in-process TLS, or relayed by a TLS front process
+Channel = Union[TlsChannel, RelayChannel]
 #: a worker: called on its own thread with a verified channel; the channel is closed after
-Serve = Callable[[TlsChannel], None]
+Serve = Callable[[Channel], None]
 
 
 class Listener:
@@ -140,6 +149,7 @@ class Listener:
         limits: Limits = Limits(),
         refusals: Optional[RefusalLog] = None,
         on_refused: Optional[Callable[[str, str, str], None]] = None,
+        fronts: Optional[FrontPool] = None,
     ) -> None:
         self.name = name
         self.sock = sock
@@ -151,6 +161,9 @@ class Listener:
         #: told of every refusal before authentication (reason, detail, peer): the decode
         #: node hands the category to a request waiting for that producer
         self.on_refused = on_refused
+        #: TLS front processes (started by the caller, stopped by :meth:`stop`); None or
+        #: none live: handshakes and TLS records in this process
+        self.fronts = fronts
         self.port: int = sock.getsockname()[1]
         self.counts = Counts()
         self._per_ip: dict[str, int] = {}
@@ -170,6 +183,9 @@ class Listener:
         self._sel.register(self.sock, selectors.EVENT_READ, None)
         self._wake_r.setblocking(False)
         self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
+        if self.fronts is not None:
+            self.fronts.attach(self)
+            self.fronts.start()
         self._thread = threading.Thread(target=self._loop, name=f"kvpack-{self.name}-accept", daemon=True)
         self._thread.start()
         return self
@@ -182,6 +198,9 @@ class Listener:
             pass
         if self._thread is not None:
             self._thread.join(timeout=join_s)
+        if self.fronts is not None:
+            # relayed connections end with their fronts: their workers' reads fail at once
+            self.fronts.stop(join_s)
         for w in list(self._workers):
             w.join(timeout=join_s)
         for s in (self.sock, self._wake_r, self._wake_w):
@@ -226,6 +245,8 @@ class Listener:
 
     def _expire(self) -> None:
         now = time.monotonic()
+        if self.fronts is not None:
+            self.fronts.expire(now)
         for hs in [hs for hs in self._pending.values() if hs.deadline <= now]:
             self._drop(hs, ("handshake_timeout", f"no complete TLS handshake within {self.limits.handshake_s:g} s"))
 
@@ -267,6 +288,13 @@ class Listener:
             raw.close()
             self._refused("limit", why, peer)
             return
+        if self.fronts is not None:
+            try:
+                tune_socket(raw)
+            except OSError:
+                pass
+            if self.fronts.dispatch(raw, host, peer):
+                return  # the front reports auth or refusal (front_authenticated / front_refused)
         try:
             tune_socket(raw)
             raw.setblocking(False)
@@ -343,7 +371,14 @@ class Listener:
         except (KeyError, ValueError):
             pass
         self._release_handshake(hs.host, authenticated=True)
-        pin = info.leaf_sha256
+        if not self._admit_peer(info.leaf_sha256, hs.peer):
+            hs.tls.close()
+            return
+        hs.tls.setblocking(True)
+        self._start_worker(TlsChannel(hs.tls, info, side="server"))
+
+    def _admit_peer(self, pin: str, peer: str) -> bool:
+        """The per-leaf cap of an authenticated connection (counted, or refused and counted)."""
         with self._lock:
             over = self._per_peer.get(pin, 0) >= self.limits.max_per_peer
             if not over:
@@ -352,17 +387,28 @@ class Listener:
             else:
                 self.counts.connections -= 1
         if over:
-            hs.tls.close()
-            self._refused("limit", f"peer {pin[:16]}... holds {self.limits.max_per_peer} connections (limit)", hs.peer)
+            self._refused("limit", f"peer {pin[:16]}... holds {self.limits.max_per_peer} connections (limit)", peer)
+        return not over
+
+    # -- reports of the TLS fronts (their reader threads) ---------------------------------------
+    def front_refused(self, host: str, peer: str, reason: str, detail: str) -> None:
+        self._release_handshake(host, authenticated=False)
+        self._refused(reason, detail, peer)
+
+    def front_authenticated(self, host: str, chan: RelayChannel) -> None:
+        self._release_handshake(host, authenticated=True)
+        if not self._admit_peer(chan.peer.leaf_sha256, chan.peer_address):
+            chan.close()  # the front sees EOF and closes the TCP connection
             return
-        hs.tls.setblocking(True)
-        chan = TlsChannel(hs.tls, info, side="server")
+        self._start_worker(chan)
+
+    def _start_worker(self, chan: Channel) -> None:
         worker = threading.Thread(target=self._work, args=(chan,), name=f"kvpack-{self.name}-{next(self._ids)}", daemon=True)
         with self._lock:
             self._workers.add(worker)
         worker.start()
 
-    def _work(self, chan: TlsChannel) -> None:
+    def _work(self, chan: Channel) -> None:
         try:
             self.serve(chan)
         except Exception:  # noqa: BLE001 - one connection's bug never stops the listener
@@ -392,6 +438,7 @@ class Listener:
                 "refused_total": c.refused_total,
                 "limits": self.limits.__dict__.copy(),
                 "refusals": self.refusals.snapshot()["totals"],
+                "tls_fronts": None if self.fronts is None else self.fronts.snapshot(),
             }
 
 
@@ -424,7 +471,7 @@ class Deadline:
         return min(remaining, self.gap_s)
 
 
-def fill(chan: TlsChannel, buf: memoryview, deadline: Deadline, cancelled: Optional[Callable[[], bool]] = None) -> int:
+def fill(chan: Channel, buf: memoryview, deadline: Deadline, cancelled: Optional[Callable[[], bool]] = None) -> int:
     """Fill ``buf`` from ``chan`` (one ``recv_into`` per TLS record), every read under the
     deadline. Returns fewer bytes only when the peer closed. ``cancelled`` is polled between
     reads (a request whose client went away stops within one read)."""
@@ -433,8 +480,11 @@ def fill(chan: TlsChannel, buf: memoryview, deadline: Deadline, cancelled: Optio
     current = chan.sock.gettimeout()
     # the bulk path reads the verified SSLSocket directly (one Python step per 16 KiB TLS
     # record is the cost of this loop); the channel's wrapper only for its buffered bytes
-    # and its error mapping, which the except clause below applies to the direct reads
-    direct = chan.sock.recv_into if chan.peer_has_spoken and not chan.has_pending() else None
+    # and its error mapping, which the except clause below applies to the direct reads. A
+    # relayed channel's reads are large already, and only its wrapper knows why a read
+    # ended (the front's report), so it is always read through the wrapper.
+    relayed = not isinstance(chan.sock, ssl.SSLSocket)
+    direct = chan.sock.recv_into if chan.peer_has_spoken and not chan.has_pending() and not relayed else None
     monotonic, end, gap = time.monotonic, deadline.end, deadline.gap_s
     while got < want:
         if cancelled is not None and cancelled():
