@@ -26,12 +26,19 @@ part (``*_sys_cpu_s``: fresh pages faulted in show there), and
 sender + receiver CPU per byte at one stripe. On a shared small host, where other jobs move
 the Gbps figures, this ratio is the steadier one.
 
+TLS fronts: ``--tls-fronts 0,auto`` runs the handoff part once per setting of the decode
+node's ``--tls-fronts`` (its TLS front processes, kvpack.node.tls_front; 0 = TLS in the
+daemon's process), each line recording the setting and the count the receiver reported
+(``tls_fronts``). The receiver's CPU includes its fronts' (``receiver_fronts_cpu_s`` is
+their part). The peers run once per invocation.
+
 Goals (issue 14, H200 host, 16 cores): one stream through the daemons >= 0.9 of the
 benchmark's single sealed stripe (>= 6.5 Gbps), >= 20 Gbps at 4 stripes; sessions: aggregate
 Gbps grows with concurrency while p50 stays near one session's.
 
     python benchmarks/bench_nodes.py                                        # 2 cores: small sizes
     python benchmarks/bench_nodes.py --handoff-mib 4096 --session-tokens 1024 --sessions 1,4,16 --stripes 1,2,4,8
+    python benchmarks/bench_nodes.py --handoff-mib 4096 --repeat 3 --stripes 1,4 --skip-sessions --tls-fronts 0,auto
 """
 
 from __future__ import annotations
@@ -71,6 +78,7 @@ class Daemon:
     def __init__(self, args: list[str], log_path: str) -> None:
         self.log = open(log_path, "w")
         self.proc = subprocess.Popen([sys.executable, "-m", "kvpack.cli", *args], stdout=subprocess.PIPE, stderr=self.log, text=True)
+        self.ready: dict = {}
 
     def wait_ready(self, timeout: float = 300.0) -> dict:
         end = time.monotonic() + timeout
@@ -103,7 +111,7 @@ def _cluster(root: str, engine) -> Cluster:
     return c
 
 
-def _start(args, root: str, cluster: Cluster, decode_slots: int, resident_mib: int) -> tuple[Daemon, Daemon, str]:
+def _start(args, root: str, cluster: Cluster, decode_slots: int, resident_mib: int, tls_fronts: str = "auto") -> tuple[Daemon, Daemon, str]:
     common = ["--engine", args.engine, "--no-store", "--no-metrics"]
     producer = Daemon(
         [
@@ -142,11 +150,13 @@ def _start(args, root: str, cluster: Cluster, decode_slots: int, resident_mib: i
             str(decode_slots),
             "--resident-mib",
             str(resident_mib),
+            "--tls-fronts",
+            tls_fronts,
         ],
         os.path.join(root, "receiver.log"),
     )
     try:
-        receiver.wait_ready()
+        receiver.ready = receiver.wait_ready()
     except BaseException:
         receiver.stop()
         producer.stop()
@@ -283,6 +293,20 @@ def _sys_s(pid: int) -> float:
         return 0.0
 
 
+def _children(pid: int) -> list[int]:
+    """Child processes of ``pid`` (the receiver's TLS fronts), from /proc."""
+    out = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as fh:
+                    if int(fh.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.append(int(name))
+            except (OSError, IndexError, ValueError):
+                continue
+    return out
+
+
 def _settle(pids: list[int], quiet_s: float = 0.3, limit_s: float = 60.0) -> list[float]:
     """Wait until the processes are idle (under 20 ms of CPU in ``quiet_s``); their CPU."""
     end = time.monotonic() + limit_s
@@ -296,7 +320,10 @@ def _settle(pids: list[int], quiet_s: float = 0.3, limit_s: float = 60.0) -> lis
     return last
 
 
-def bench_handoff(args, sock: str, engine, out: str | None, pids: list[int] | None = None) -> list[dict]:
+def bench_handoff(args, sock: str, engine, out: str | None, pids: list[int] | None = None, fronts: tuple[str, int] = ("auto", 0)) -> list[dict]:
+    """``pids``: producer, receiver, then the receiver's fronts (their CPU counts as the
+    receiver's); ``fronts``: the --tls-fronts setting and the count the receiver runs."""
+    pids = pids or []
     geometry = TileGeometry.of(engine.layout)
     per_token = geometry.tile_bytes(1)
     tokens = max(512, (args.handoff_mib << 20) // per_token)
@@ -315,11 +342,13 @@ def bench_handoff(args, sock: str, engine, out: str | None, pids: list[int] | No
             # the token after the resident prompt differs in every request: the decode
             # node's live session (prompt + the previous request's next token) is then no
             # prefix of it, so every measured request takes a full transfer, never local reuse
-            cpu0 = _settle(pids or [])
-            sys0 = [_sys_s(p) for p in pids or []]
+            cpu0 = _settle(pids)
+            sys0 = [_sys_s(p) for p in pids]
             dt, res = _request(sock, prompt + [100 + k * args.repeat + rep, 7], 1, stripes)
-            cpu = [b - a for a, b in zip(cpu0, _settle(pids or []))]
-            cpu += [_sys_s(p) - a for p, a in zip(pids or [], sys0)]
+            used = [b - a for a, b in zip(cpu0, _settle(pids))]
+            used_sys = [_sys_s(p) - a for p, a in zip(pids, sys0)]
+            # producer, receiver + its fronts, the same two system parts, the fronts alone
+            cpu = [used[0], sum(used[1:]), used_sys[0], sum(used_sys[1:]), sum(used[2:])] if pids else []
             t = res.get("transfer") or {}
             if not t.get("payload_bytes") or (res.get("plan") or {}).get("action") not in (None, "full_transfer"):
                 raise RuntimeError(f"request {k}/{rep} was not a full transfer: plan {res.get('plan')}")
@@ -348,6 +377,9 @@ def bench_handoff(args, sock: str, engine, out: str | None, pids: list[int] | No
                 # the system part of each (fresh pages faulted in show here)
                 "producer_sys_cpu_s": round(statistics.median(r[6][2] for r in runs), 3) if pids else None,
                 "receiver_sys_cpu_s": round(statistics.median(r[6][3] for r in runs), 3) if pids else None,
+                "receiver_fronts_cpu_s": round(statistics.median(r[6][4] for r in runs), 3) if pids else None,
+                "tls_fronts_setting": fronts[0],
+                "tls_fronts": fronts[1],
                 "segments_in_place": (res.get("transfer") or {}).get("segments_in_place"),
                 "engine": args.engine,
                 "tile_bytes": geometry.tile_bytes(256),
@@ -399,27 +431,37 @@ def main(argv=None) -> int:
     ap.add_argument("--payload-dir", default="/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
     ap.add_argument("--timeout", type=float, default=900.0)
     ap.add_argument("--out", help="also append the JSON lines to this file")
+    ap.add_argument(
+        "--tls-fronts",
+        default="auto",
+        help="the decode node's --tls-fronts; a list (e.g. 0,auto) runs the handoff part once per value (default auto)",
+    )
     args = ap.parse_args(argv)
     args.sessions_list = [int(x) for x in args.sessions.split(",") if x.strip()]
     args.stripes_list = [int(x) for x in args.stripes.split(",") if x.strip()]
+    args.fronts_list = [x.strip() for x in args.tls_fronts.split(",") if x.strip()] or ["auto"]
     engine = load_engine(args.engine)
     root = tempfile.mkdtemp(prefix="kvpack-bench-nodes-")
     try:
         cluster = _cluster(os.path.join(root, "cluster"), engine)
         if not args.skip_sessions:
-            producer, receiver, sock = _start(args, root, cluster, max(args.sessions_list), 0)
+            producer, receiver, sock = _start(args, root, cluster, max(args.sessions_list), 0, args.fronts_list[0])
             try:
                 bench_sessions(args, sock, args.out)
             finally:
                 receiver.stop()
                 producer.stop()
         if not args.skip_handoff:
-            producer, receiver, sock = _start(args, root, cluster, 1, 0)
-            try:
-                lines = bench_handoff(args, sock, engine, args.out, [producer.proc.pid, receiver.proc.pid])
-            finally:
-                receiver.stop()
-                producer.stop()
+            lines = []
+            for setting in args.fronts_list:
+                producer, receiver, sock = _start(args, root, cluster, 1, 0, setting)
+                try:
+                    pids = [producer.proc.pid, receiver.proc.pid, *_children(receiver.proc.pid)]
+                    fronts = (setting, int(receiver.ready.get("tls_fronts") or 0))
+                    lines += bench_handoff(args, sock, engine, args.out, pids, fronts)
+                finally:
+                    receiver.stop()
+                    producer.stop()
             ref = {} if args.no_peers else peers(args, lines[0]["payload_bytes"], lines[0]["tile_bytes"])
             one = ref.get(1, {}).get("sealed_gbps")
             one_cpu = ref.get(1, {}).get("sealed_cpu_s")

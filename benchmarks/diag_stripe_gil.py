@@ -27,7 +27,10 @@ record's worth of GIL-free work between two GIL retakes) and in 1 MiB calls (the
 terminated in a process of its own that relays plaintext over AF_UNIX in batches of up to
 1 MiB to threads of one process, which read it with large ``recv_into`` calls;
 ``--hash-passes 2`` makes every receiving thread hash what it read twice (the receiver's
-segment hash and running digest), in every mode.
+segment hash and running digest), in every mode. ``--modes fronts`` runs the shipped
+code instead of that sketch: threads of one process behind the node's transport
+``Listener`` with one TLS front process per stream (kvpack.node.tls_front, the decode
+node's ``--tls-fronts``); its CPU is the receiving process's plus its fronts'.
 """
 
 from __future__ import annotations
@@ -221,6 +224,74 @@ def _receiver_proc(n: int, share: int, server_ep, switch_s: float, hash_passes: 
         events.put(("error", traceback.format_exc()))
 
 
+def _proc_cpu(pid: int) -> float:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+def _fronted_receiver_proc(n: int, share: int, server_ep, switch_s: float, hash_passes: int, ports, events, start) -> None:
+    """One process receiving ``n`` streams on ``n`` worker threads of the node's transport
+    Listener whose TLS runs in ``n`` front processes (``kvpack receiver --tls-fronts n``)."""
+    from kvpack.node.receipts import RefusalLog
+    from kvpack.node.tls_front import FrontPool
+    from kvpack.node.transport import Limits, Listener, bind_tcp
+
+    try:
+        sys.setswitchinterval(switch_s)
+        lock = threading.Lock()
+        arrived: list = []
+        ends: list[float] = []
+        errors: list = []
+        go = threading.Event()
+        all_in = threading.Event()
+
+        def serve(ch) -> None:
+            with lock:
+                arrived.append(ch)
+                if len(arrived) == n:
+                    all_in.set()
+            go.wait(TIMEOUT_S)
+            try:
+                ch.settimeout(TIMEOUT_S)
+                _receive(ch, share, hash_passes)
+                ends.append(time.monotonic())
+            except BaseException as exc:  # noqa: BLE001 - reported to the parent
+                errors.append(exc)
+            try:
+                ch.recv(1)
+            except Exception:  # noqa: BLE001 - the peer closing is fine
+                pass
+
+        pool = FrontPool("diag", server_ep, n, 10.0).start()
+        sock = bind_tcp("127.0.0.1", 0, "diag listener")
+        lst = Listener(
+            "diag", sock, server_ep, tls.server_context(server_ep), serve, limits=Limits(handshake_s=10.0), refusals=RefusalLog("diag"), fronts=pool
+        ).start()
+        for _ in range(n):
+            ports.put(lst.port)
+        if not all_in.wait(TIMEOUT_S):
+            raise RuntimeError("not every stream arrived")
+        events.put(("ready", n))
+        if not start.wait(TIMEOUT_S):
+            raise RuntimeError("no start")
+        pids = pool.pids()
+        c0 = _cpu() + sum(_proc_cpu(p) for p in pids)
+        go.set()
+        while len(ends) + len(errors) < n:
+            time.sleep(0.005)
+        cpu = _cpu() + sum(_proc_cpu(p) for p in pids) - c0
+        if errors:
+            raise errors[0]
+        events.put(("done", (list(ends), cpu)))
+        lst.stop()
+    except BaseException:
+        events.put(("error", traceback.format_exc()))
+
+
 def _sender_proc(port: int, share: int, client_ep, events, start) -> None:
     try:
         chan = tls.connect(client_ep, "127.0.0.1", port)
@@ -276,7 +347,7 @@ def one(ctx, mode: str, stripes: int, total: int, endpoints, switch_s: float, ha
     share = total // stripes
     ports, events, start = ctx.Queue(), ctx.Queue(), ctx.Event()
     procs = []
-    receivers = 1 if mode == "threads" else stripes
+    receivers = stripes if mode == "procs" else 1
     try:
         if mode == "relay":
             paths = ctx.Queue()
@@ -289,8 +360,9 @@ def one(ctx, mode: str, stripes: int, total: int, endpoints, switch_s: float, ha
                 procs.append(p)
             receivers = stripes + 1  # the relays report their CPU too
         else:
+            target = _fronted_receiver_proc if mode == "fronts" else _receiver_proc
             for _ in range(receivers):
-                p = ctx.Process(target=_receiver_proc, args=(stripes // receivers, share, server_ep, switch_s, hash_passes, ports, events, start), daemon=True)
+                p = ctx.Process(target=target, args=(stripes // receivers, share, server_ep, switch_s, hash_passes, ports, events, start), daemon=True)
                 p.start()
                 procs.append(p)
         for _ in range(stripes):
@@ -343,7 +415,8 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--modes",
         default="threads,procs",
-        help="threads, procs, relay (TLS terminated in one front process per stream, plaintext relayed over AF_UNIX to threads of one process)",
+        help="threads, procs, relay (TLS terminated in one front process per stream, plaintext relayed over AF_UNIX to threads of one process), "
+        "fronts (the same through kvpack.node.tls_front and the transport Listener)",
     )
     ap.add_argument("--hash-passes", type=int, default=0, help="SHA-256 passes the receiving threads make over each MiB (the node receiver makes 2)")
     ap.add_argument("--out")
