@@ -532,7 +532,12 @@ def main(argv=None) -> int:
     ap.add_argument("--cpu-ceiling", action="store_true", help="also time both hashes on the CPU cores (the first rounds' ceiling)")
     ap.add_argument("--chunk-bytes", type=int, default=None, help="store chunk size (default: the store's default)")
     ap.add_argument("--prefill-attention", default="auto", choices=["auto", "lower_right", "sdpa"])
-    ap.add_argument("--prefill-forward", default="auto", choices=["auto", "lean", "model"], help="the adapter's per-chunk forward (kvpack.engine.lean_prefill)")
+    ap.add_argument(
+        "--prefill-forward",
+        default="auto",
+        choices=["auto", "lean", "graphs", "model"],
+        help="the adapter's per-chunk forward (kvpack.engine.lean_prefill, graph_prefill)",
+    )
     ap.add_argument("--handoff-tokens", type=int, default=32768, help="prompt whose KV bytes the handoff moves (0: skip)")
     ap.add_argument("--segment-tokens", type=int, default=2048, help="handoff segment size in tokens")
     ap.add_argument("--stripes", default="1,2,4,8")

@@ -17,13 +17,14 @@ One JSON line per (tokens, forward, chunk): prefill seconds, ratio to one forwar
 ``bit_identical_to_256`` with the first differing layer if any. Evidence, not proof: kernel
 choices can change with shapes this run does not cover.
 
-``--forwards model,lean`` runs every chunk size through each of the adapter's per-chunk
-forwards (``prefill_forward``: the model's own forward, kvpack.engine.lean_prefill), each
+``--forwards model,lean,graphs`` runs every chunk size through each of the adapter's
+per-chunk forwards (``prefill_forward``: the model's own forward, kvpack.engine.lean_prefill,
+its CUDA-graph segments kvpack.engine.graph_prefill), each
 compared bit for bit with the first forward's 256 grid, and adds one ``forward_ab`` line per
 length with both forwards' prefill and host-issue time per 256-token chunk from the same run.
 
     python3 benchmarks/diag_prefill_chunks.py --tokens 32768,131072 --chunks 256,1024,2048,4096
-    python3 benchmarks/diag_prefill_chunks.py --tokens 32768,131072 --chunks 256 --forwards model,lean
+    python3 benchmarks/diag_prefill_chunks.py --tokens 32768,131072 --chunks 256 --forwards model,lean,graphs
 
 The host-overhead proxy on a CPU (tiny hidden size, 32 layers: a chunk's time is mostly Python
 and dispatch; docs/bench/prefill_host_profile.md):
@@ -95,9 +96,10 @@ def _forward_ab(n: int, one_s: float, per_forward: dict[str, dict]) -> dict:
         line[f"{name}_host_issue_ms_per_chunk"] = round(got["host_issue_s"] / chunks * 1000, 3)
         line[f"{name}_over_one_forward"] = round(got["prefill_s"] / one_s, 3)
         line[f"{name}_bit_identical"] = bool(got.get("bit_identical", True))
-    if "model" in per_forward and "lean" in per_forward:
-        line["model_over_lean"] = round(per_forward["model"]["prefill_s"] / per_forward["lean"]["prefill_s"], 3)
-        line["model_over_lean_host_issue"] = round(per_forward["model"]["host_issue_s"] / per_forward["lean"]["host_issue_s"], 3)
+    for other in ("lean", "graphs"):
+        if "model" in per_forward and other in per_forward:
+            line[f"model_over_{other}"] = round(per_forward["model"]["prefill_s"] / per_forward[other]["prefill_s"], 3)
+            line[f"model_over_{other}_host_issue"] = round(per_forward["model"]["host_issue_s"] / per_forward[other]["host_issue_s"], 3)
     return line
 
 
@@ -105,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", default="32768")
     ap.add_argument("--chunks", default="256,1024,2048,4096")
-    ap.add_argument("--forwards", default="auto", help="comma list of prefill_forward values (auto, lean, model)")
+    ap.add_argument("--forwards", default="auto", help="comma list of prefill_forward values (auto, lean, graphs, model)")
     ap.add_argument("--prefill-attention", default="auto", choices=["auto", "lower_right", "sdpa"])
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--repeats", type=int, default=1, help="prefills per (forward, chunk); the fastest is reported")

@@ -22,16 +22,14 @@ torch = pytest.importorskip("torch")
 LENGTHS = [1, 255, 256, 257, 700, 1030]
 
 
-def _pair(dtype: str = "f32", device: str = "cpu", **kw):
-    """A model-forward and a lean-forward engine over one model (the same weights)."""
+def _pair(dtype: str = "f32", device: str = "cpu", forward: str = "lean", **kw):
+    """A model-forward engine and a ``forward`` engine (lean or graphs) over one model."""
     loaded = build_llama(seed=0, num_hidden_layers=3, max_position_embeddings=2048, **kw)
     loaded.model = loaded.model.to(DTYPES[dtype])
     engines = {}
-    for forward in ("model", "lean"):
-        engines[forward] = TransformersEngine(
-            loaded, threads=2, prefill_chunk_tokens=256, device=device, prefill_attention="lower_right", prefill_forward=forward
-        )
-    return engines["model"], engines["lean"]
+    for name in ("model", forward):
+        engines[name] = TransformersEngine(loaded, threads=2, prefill_chunk_tokens=256, device=device, prefill_attention="lower_right", prefill_forward=name)
+    return engines["model"], engines[forward]
 
 
 def _assert_same_cache(a, b) -> None:
@@ -44,14 +42,15 @@ def _assert_same_cache(a, b) -> None:
     assert a.cache_digest() == b.cache_digest()
 
 
-@pytest.fixture(scope="module", params=["f32", "bf16", "f16"])
+@pytest.fixture(scope="module", params=[(dtype, forward) for forward in ("lean", "graphs") for dtype in ("f32", "bf16", "f16")], ids=str)
 def pair(request):
-    return _pair(request.param)
+    dtype, forward = request.param
+    return _pair(dtype, forward=forward)
 
 
 def test_lean_prefill_is_bit_identical_to_the_model_forward(pair):
     model, lean = pair
-    assert (model.prefill_forward, lean.prefill_forward) == ("model", "lean")
+    assert model.prefill_forward == "model" and lean.prefill_forward in ("lean", "graphs")
     tokens = random_tokens(max(LENGTHS), model.layout.vocab_size, seed=3)
     for n in LENGTHS:
         a, b = model.new_session(), lean.new_session()
@@ -218,16 +217,80 @@ def test_cuda_auto_selects_the_lean_forward(monkeypatch):
     assert (eng.prefill_attention, eng.prefill_forward) == ("lower_right", "lean")
 
 
-def test_a_cache_out_of_step_with_the_position_is_refused():
+@pytest.mark.parametrize("forward", ["lean", "graphs"])
+def test_a_cache_out_of_step_with_the_position_is_refused(forward):
     """The chunk's attention bias is made for ``position + n`` key rows; a cache holding
-    another count (here: a token recorded without its rows) is refused, not attended with a
-    misaligned mask."""
-    _, lean = _pair()
-    tokens = random_tokens(300, lean.layout.vocab_size, seed=4)
-    s = lean.new_session()
-    s.prefill(tokens[:256])
-    s.tokens.append(tokens[256])  # position 257, 256 cached rows
+    another count (here: a token recorded without its rows) is refused before anything is
+    computed, not attended with a misaligned mask. The next chunk is a full one (position
+    256), so ``graphs`` takes its segmented path."""
+    _, engine = _pair(forward=forward)
+    tokens = random_tokens(600, engine.layout.vocab_size, seed=4)
+    s = engine.new_session()
+    s.prefill(tokens[:255])
+    s.tokens.append(tokens[255])  # position 256, 255 cached rows
     with pytest.raises(EngineError) as exc:
-        s.prefill(tokens[257:])
+        s.prefill(tokens[256:512])
     assert exc.value.category == "layout"
-    assert "expected" in str(exc.value)
+    assert "expected 256" in str(exc.value)
+    assert s.position == 256 and all(layer.get_seq_length() == 255 for layer in s.cache.layers)  # nothing appended
+
+
+def test_graph_segments_run_the_full_chunks():
+    """``graphs`` takes the segmented runner for every full chunk (on the CPU eagerly) and the
+    lean forward for partial ones; it is its own identity."""
+    from kvpack.engine import graph_prefill
+
+    model, graphs = _pair(forward="graphs")
+    assert graphs.identity.engine_abi["prefill_forward"] == graph_prefill.ABI_RECORD
+    assert len({model.ids(), graphs.ids(), _pair()[1].ids()}) == 3
+    s = graphs.new_session()
+    s.prefill(random_tokens(600, graphs.layout.vocab_size, seed=1))
+    runner = graphs._segmented
+    assert runner.graphs is None and runner.n == 256  # CPU: eager segments, nothing captured
+    first = runner
+    s.prefill(random_tokens(256, graphs.layout.vocab_size, seed=2))
+    assert graphs._segmented is first  # same tensors: the runner is kept
+    with torch.no_grad():
+        graphs.model.lm_head.weight = torch.nn.Parameter(graphs.model.lm_head.weight.clone())
+    graphs.new_session().prefill(random_tokens(256, graphs.layout.vocab_size, seed=2))
+    assert graphs._segmented is not first  # new tensors: rebuilt (graphs bind memory)
+
+
+def test_graph_chunks_refuse_other_shapes_and_rope_updates():
+    from kvpack.engine import graph_prefill
+    from kvpack.engine.lean_prefill import plan
+
+    _, graphs = _pair(forward="graphs")
+    runner = graph_prefill.SegmentedChunk(plan(graphs.model), 256, torch.device("cpu"), capture=False)
+    with pytest.raises(EngineError) as exc:
+        runner.forward(graphs.new_session().cache.layers, torch.zeros((1, 100), dtype=torch.long), 0)
+    assert exc.value.category == "layout"
+    loaded = build_llama(seed=0, num_hidden_layers=2)
+    loaded.model.model.rotary_emb.rope_type = "dynamic"
+    assert "rope type dynamic" in (graph_prefill.unsupported_reason(loaded.model) or "")
+    with pytest.raises(EngineError) as exc:
+        TransformersEngine(loaded, threads=2, prefill_attention="lower_right", prefill_forward="graphs")
+    assert exc.value.category == "unsupported"
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", ["f16", "bf16"])
+def test_cuda_graph_prefill_is_bit_identical(dtype):
+    model, graphs = _pair(dtype, device="cuda", forward="graphs")
+    tokens = random_tokens(1030, model.layout.vocab_size, seed=3)
+    for n in (256, 700, 1030):
+        a, b = model.new_session(), graphs.new_session()
+        a.prefill(tokens[:n])
+        b.prefill(tokens[:n])
+        _assert_same_cache(a, b)
+    assert graphs._segmented.graphs is not None  # captured on the device
+    part = graphs.new_session()
+    part.prefill(tokens[:512])
+    resumed = graphs.new_session()
+    transfer_cut(part, resumed)
+    resumed.prefill(tokens[512:1030])
+    whole = model.new_session()
+    whole.prefill(tokens)
+    _assert_same_cache(whole, resumed)
+    assert whole.decode_greedy(8)[0] == resumed.decode_greedy(8)[0]
+    _assert_same_cache(whole, resumed)

@@ -85,9 +85,9 @@ def lower_right_bias(q_len: int, kv_len: int) -> Any:
     return causal_lower_right(q_len, kv_len)
 
 
-def attend(query: Any, key: Any, value: Any, scaling: float | None, bias: Any) -> Any:
-    """:func:`lower_right_attention`'s computation with the bias given (callers silence the
-    bias's kernel warnings). Returns (1, q, heads, d), contiguous."""
+def _attend(query: Any, key: Any, value: Any, scaling: float | None, bias: Any) -> Any:
+    """The attention of :func:`attend`, returned as the kernel's output transposed to
+    (1, q, heads, d) (not yet contiguous)."""
     import torch
     import torch.nn.functional as F
 
@@ -101,7 +101,19 @@ def attend(query: Any, key: Any, value: Any, scaling: float | None, bias: Any) -
         out = F.scaled_dot_product_attention(query, key, value, dropout_p=0.0, scale=scaling, enable_gqa=gqa)
     else:
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=bias, dropout_p=0.0, scale=scaling, enable_gqa=gqa)
-    return out.transpose(1, 2).contiguous()
+    return out.transpose(1, 2)
+
+
+def attend(query: Any, key: Any, value: Any, scaling: float | None, bias: Any) -> Any:
+    """:func:`lower_right_attention`'s computation with the bias given (callers silence the
+    bias's kernel warnings). Returns (1, q, heads, d), contiguous."""
+    return _attend(query, key, value, scaling, bias).contiguous()
+
+
+def attend_into(out: Any, query: Any, key: Any, value: Any, scaling: float | None, bias: Any) -> None:
+    """:func:`attend` writing into ``out`` (1, q, heads, d), contiguous: the same copy as
+    ``contiguous()``, into a buffer that stays put (kvpack.engine.graph_prefill)."""
+    out.copy_(_attend(query, key, value, scaling, bias))
 
 
 def _dynamic_layer() -> type:
@@ -191,4 +203,14 @@ def preallocated_layer_class() -> type:
     return _layer_class[0]
 
 
-__all__ = ["ATTENTION", "GROW_ROWS", "attend", "lower_right_attention", "lower_right_bias", "preallocated_layer_class", "register", "unsupported_reason"]
+__all__ = [
+    "ATTENTION",
+    "GROW_ROWS",
+    "attend",
+    "attend_into",
+    "lower_right_attention",
+    "lower_right_bias",
+    "preallocated_layer_class",
+    "register",
+    "unsupported_reason",
+]

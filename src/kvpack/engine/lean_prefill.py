@@ -203,62 +203,107 @@ def forward_chunk(plan: Plan, cache_layers: list[Any], input_ids: Any, past: int
         return _forward_chunk(plan, cache_layers, input_ids, past)
 
 
-def _forward_chunk(plan: Plan, cache_layers: list[Any], input_ids: Any, past: int) -> Any:
+def rms_norm(hidden: Any, norm: _Norm) -> Any:
+    """LlamaRMSNorm.forward."""
+    import torch
+
+    input_dtype = hidden.dtype
+    hidden = hidden.to(torch.float32)
+    variance = hidden.pow(2).mean(-1, keepdim=True)
+    hidden = hidden * torch.rsqrt(variance + norm.eps)
+    return norm.weight * hidden.to(input_dtype)
+
+
+def embed_and_rotary(plan: Plan, input_ids: Any, position_ids: Any) -> tuple[Any, Any, Any]:
+    """LlamaModel.forward's start: the embeddings and the rotary ``cos``/``sin`` for
+    ``position_ids`` (``arange(n) + past_seen_tokens``), unsqueezed as
+    ``apply_rotary_pos_emb(unsqueeze_dim=1)`` does (the same views serve every layer)."""
+    hidden = plan.embed(input_ids)
+    cos, sin = plan.rotary(hidden, position_ids)
+    return hidden, cos.unsqueeze(1), sin.unsqueeze(1)
+
+
+def pre_attention(layer: _Layer, hidden: Any, cos: Any, sin: Any) -> tuple[Any, Any, Any]:
+    """LlamaDecoderLayer.forward up to the cache update: input norm, q/k/v projections as
+    three ``F.linear`` calls, ``apply_rotary_pos_emb`` (``x * cos + rotate_half(x) * sin``).
+    Returns ``(query, key, value)``, each ``(1, heads, n, head_dim)``."""
     import torch
     import torch.nn.functional as F
 
+    hidden = rms_norm(hidden, layer.input_norm)
+    hidden_shape = (*hidden.shape[:-1], -1, layer.head_dim)
+    query = F.linear(hidden, *layer.q).view(hidden_shape).transpose(1, 2)
+    key = F.linear(hidden, *layer.k).view(hidden_shape).transpose(1, 2)
+    value = F.linear(hidden, *layer.v).view(hidden_shape).transpose(1, 2)
+    half = layer.head_dim // 2
+    query = (query * cos) + (torch.cat((-query[..., half:], query[..., :half]), dim=-1) * sin)
+    key = (key * cos) + (torch.cat((-key[..., half:], key[..., :half]), dim=-1) * sin)
+    return query, key, value
+
+
+def post_attention(layer: _Layer, attn_out: Any, residual: Any) -> Any:
+    """LlamaDecoderLayer.forward after the attention: ``o_proj`` of the attention output
+    ``(1, n, heads * head_dim)``, the residual add, the post-attention norm, the MLP
+    ``down(act(gate(x)) * up(x))`` and the second residual add."""
+    import torch.nn.functional as F
+
+    hidden = F.linear(attn_out, *layer.o)
+    hidden = residual + hidden
+    residual = hidden
+    hidden = rms_norm(hidden, layer.post_norm)
+    hidden = F.linear(layer.act(F.linear(hidden, *layer.gate)) * F.linear(hidden, *layer.up), *layer.down)
+    return residual + hidden
+
+
+def final_logits(plan: Plan, hidden: Any) -> Any:
+    """The final norm over every row, then ``lm_head`` on the last row only
+    (``LlamaForCausalLM.forward`` with ``logits_to_keep=1``: ``slice(-1, None)``)."""
+    import torch.nn.functional as F
+
+    hidden = rms_norm(hidden, plan.norm)
+    return F.linear(hidden[:, slice(-1, None), :], *plan.lm_head)
+
+
+def check_rows(cache_layers: list[Any], past: int) -> None:
+    """Every cache layer holds ``past`` rows before a chunk at ``past`` (the chunk's attention
+    bias is made for ``past + n`` keys); refused before anything is computed otherwise."""
     from ..errors import EngineError
+
+    for index, cache_layer in enumerate(cache_layers):
+        rows = cache_layer.get_seq_length()
+        if rows != past:
+            raise EngineError("layout", f"layer {index} holds {rows} cached rows at position {past}; expected {past}")
+
+
+def _forward_chunk(plan: Plan, cache_layers: list[Any], input_ids: Any, past: int) -> Any:
+    import torch
+
     from .fast_prefill import attend, lower_right_bias
 
-    float32 = torch.float32
-    linear, rsqrt, cat = F.linear, torch.rsqrt, torch.cat
-
-    def rms_norm(hidden: Any, norm: _Norm) -> Any:  # LlamaRMSNorm.forward
-        input_dtype = hidden.dtype
-        hidden = hidden.to(float32)
-        variance = hidden.pow(2).mean(-1, keepdim=True)
-        hidden = hidden * rsqrt(variance + norm.eps)
-        return norm.weight * hidden.to(input_dtype)
-
-    # LlamaModel.forward: embeddings, positions arange(n) + past_seen_tokens, rotary cos/sin
-    hidden = plan.embed(input_ids)
-    position_ids = (torch.arange(hidden.shape[1], device=hidden.device) + past).unsqueeze(0)
-    cos, sin = plan.rotary(hidden, position_ids)
-    # apply_rotary_pos_emb(unsqueeze_dim=1): the same views for every layer
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    input_shape = hidden.shape[:-1]
-    # lower_right_attention's bias for (query rows, key rows): the same for every layer
+    check_rows(cache_layers, past)
+    position_ids = (torch.arange(input_ids.shape[1], device=input_ids.device) + past).unsqueeze(0)
+    hidden, cos, sin = embed_and_rotary(plan, input_ids, position_ids)
     q_len = hidden.shape[1]
-    kv_len = past + q_len
-    bias = lower_right_bias(q_len, kv_len)
+    bias = lower_right_bias(q_len, past + q_len)  # lower_right_attention's bias: the same for every layer
     for layer, cache_layer in zip(plan.layers, cache_layers):
-        # LlamaDecoderLayer.forward
-        residual = hidden
-        hidden = rms_norm(hidden, layer.input_norm)
-        # LlamaAttention.forward
-        hidden_shape = (*input_shape, -1, layer.head_dim)
-        query = linear(hidden, *layer.q).view(hidden_shape).transpose(1, 2)
-        key = linear(hidden, *layer.k).view(hidden_shape).transpose(1, 2)
-        value = linear(hidden, *layer.v).view(hidden_shape).transpose(1, 2)
-        # apply_rotary_pos_emb with rotate_half: x * cos + cat(-x2, x1) * sin
-        half = layer.head_dim // 2
-        query = (query * cos) + (cat((-query[..., half:], query[..., :half]), dim=-1) * sin)
-        key = (key * cos) + (cat((-key[..., half:], key[..., :half]), dim=-1) * sin)
+        query, key, value = pre_attention(layer, hidden, cos, sin)
         key, value = cache_layer.update(key, value)
-        if key.shape[2] != kv_len:  # the bias above was made for kv_len rows
-            raise EngineError("layout", f"cache holds {key.shape[2]} rows after the chunk, expected {kv_len}")
         out = attend(query, key, value, layer.scaling, bias)
-        out = out.reshape(*input_shape, -1).contiguous()
-        hidden = linear(out, *layer.o)
-        hidden = residual + hidden
-        residual = hidden
-        hidden = rms_norm(hidden, layer.post_norm)
-        # LlamaMLP.forward: down(act(gate(x)) * up(x))
-        hidden = linear(layer.act(linear(hidden, *layer.gate)) * linear(hidden, *layer.up), *layer.down)
-        hidden = residual + hidden
-    hidden = rms_norm(hidden, plan.norm)
-    # LlamaForCausalLM.forward with logits_to_keep=1: slice(-1, None) of the normed rows
-    return linear(hidden[:, slice(-1, None), :], *plan.lm_head)
+        hidden = post_attention(layer, out.reshape(1, q_len, -1).contiguous(), hidden)
+    return final_logits(plan, hidden)
 
 
-__all__ = ["ABI_RECORD", "Plan", "forward_chunk", "hooks_reason", "plan", "unsupported_reason"]
+__all__ = [
+    "ABI_RECORD",
+    "Plan",
+    "check_rows",
+    "embed_and_rotary",
+    "final_logits",
+    "forward_chunk",
+    "hooks_reason",
+    "plan",
+    "post_attention",
+    "pre_attention",
+    "rms_norm",
+    "unsupported_reason",
+]

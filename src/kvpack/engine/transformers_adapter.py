@@ -85,9 +85,11 @@ class TransformersEngine:
     is ``lower_right`` on CUDA for models it supports. Recorded in the engine ABI.
     ``prefill_forward``: ``"lean"`` runs each prefill chunk through
     kvpack.engine.lean_prefill (transformers' Llama ops without its per-call plumbing, the
-    same bits; needs ``prefill_attention`` ``lower_right``); ``"model"`` calls the model's
-    forward; ``"auto"`` (default) is ``$KVPACK_PREFILL_FORWARD`` when set, else ``lean``
-    where supported. Recorded in the engine ABI.
+    same bits; needs ``prefill_attention`` ``lower_right``); ``"graphs"`` also replays full
+    chunks as CUDA graphs between the attention calls (kvpack.engine.graph_prefill; on a CPU
+    the same segments run eagerly); ``"model"`` calls the model's forward; ``"auto"``
+    (default) is ``$KVPACK_PREFILL_FORWARD`` when set, else ``lean`` where supported.
+    Recorded in the engine ABI.
     """
 
     def __init__(
@@ -155,14 +157,30 @@ class TransformersEngine:
             # The environment lets one run A/B both paths without code changes (bench_gpu,
             # diag_prefill_chunks on the H200).
             wanted = os.environ.get(PREFILL_FORWARD_ENV, "") or "auto"
-        if wanted not in ("auto", "lean", "model"):
-            raise EngineError("unsupported", f"prefill_forward {wanted!r}: auto, lean or model")
+        if wanted not in ("auto", "lean", "graphs", "model"):
+            raise EngineError("unsupported", f"prefill_forward {wanted!r}: auto, lean, graphs or model")
         reason = lean_prefill.unsupported_reason(self.model, self.prefill_attention)
         if wanted == "auto":
             return "lean" if reason is None else "model"
-        if wanted == "lean" and reason is not None:
-            raise EngineError("unsupported", f"prefill_forward lean: {reason}")
+        if wanted == "graphs" and reason is None:
+            from .graph_prefill import unsupported_reason as graph_reason
+
+            reason = graph_reason(self.model)
+        if wanted != "model" and reason is not None:
+            raise EngineError("unsupported", f"prefill_forward {wanted}: {reason}")
         return wanted
+
+    def segmented_chunk(self, plan: Any) -> Any:
+        """The full-chunk graph runner of ``prefill_forward="graphs"``
+        (kvpack.engine.graph_prefill), built (and on CUDA captured) on first use and again
+        whenever the model's tensors are not the ones it was built for."""
+        from .graph_prefill import SegmentedChunk, same_plan
+
+        runner = getattr(self, "_segmented", None)
+        if runner is None or not same_plan(runner.plan, plan):
+            runner = SegmentedChunk(plan, self.prefill_chunk_tokens, self.device, capture=self.device.type == "cuda")
+            self._segmented = runner
+        return runner
 
     # -- layout ---------------------------------------------------------------------------
 
@@ -280,6 +298,10 @@ class TransformersEngine:
             from .lean_prefill import ABI_RECORD
 
             abi["prefill_forward"] = ABI_RECORD
+        elif self.prefill_forward == "graphs":
+            from .graph_prefill import ABI_RECORD as GRAPHS_RECORD
+
+            abi["prefill_forward"] = GRAPHS_RECORD
         if self.device.type == "cuda":
             abi["cuda"] = str(torch.version.cuda)
             abi["device_name"] = torch.cuda.get_device_name(self.device)
@@ -390,7 +412,9 @@ class EngineSession:
             torch.set_num_threads(self.engine.threads)
         x = device_ids if device_ids is not None else torch.tensor([ids], dtype=torch.long, device=self.engine.device)
         with torch.inference_mode():
-            if lean is not None:
+            if lean is not None and self.engine.prefill_forward == "graphs" and len(ids) == self.engine.prefill_chunk_tokens:
+                logits = self.engine.segmented_chunk(lean).forward(self.cache.layers, x, self.position)
+            elif lean is not None:
                 from .lean_prefill import forward_chunk
 
                 logits = forward_chunk(lean, self.cache.layers, x, self.position)
@@ -403,7 +427,7 @@ class EngineSession:
         """The lean forward's plan for this prefill (kvpack.engine.lean_prefill), or ``None``
         when the engine runs the model's forward. Refuses if forward hooks were added to the
         model since the engine was built: the lean forward would skip them."""
-        if self.engine.prefill_forward != "lean":
+        if self.engine.prefill_forward not in ("lean", "graphs"):
             return None
         from .lean_prefill import hooks_reason, plan
 
