@@ -124,7 +124,9 @@ class SegmentedChunk:
         graphs = []
         for index in range(len(self.outputs)):
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            # thread_local: other threads of the process (a store's restore workers) may
+            # make CUDA calls that the default "global" mode would turn into capture errors
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                 self.outputs[index] = self._segment(index)
             graphs.append(graph)
         self.graphs = graphs
