@@ -254,6 +254,12 @@ def test_graph_segments_run_the_full_chunks():
         graphs.model.lm_head.weight = torch.nn.Parameter(graphs.model.lm_head.weight.clone())
     graphs.new_session().prefill(random_tokens(256, graphs.layout.vocab_size, seed=2))
     assert graphs._segmented is not first  # new tensors: rebuilt (graphs bind memory)
+    graphs.prefill_chunk_tokens = 128  # another grid on the same engine (diag_prefill_chunks does this)
+    try:
+        graphs.new_session().prefill(random_tokens(256, graphs.layout.vocab_size, seed=2))
+        assert graphs._segmented.n == 128
+    finally:
+        graphs.prefill_chunk_tokens = 256
 
 
 def test_graph_chunks_refuse_other_shapes_and_rope_updates():

@@ -173,11 +173,12 @@ class TransformersEngine:
     def segmented_chunk(self, plan: Any) -> Any:
         """The full-chunk graph runner of ``prefill_forward="graphs"``
         (kvpack.engine.graph_prefill), built (and on CUDA captured) on first use and again
-        whenever the model's tensors are not the ones it was built for."""
+        whenever the model's tensors are not the ones it was built for, or the chunk size
+        changed (diag_prefill_chunks tries other grids on one engine)."""
         from .graph_prefill import SegmentedChunk, same_plan
 
         runner = getattr(self, "_segmented", None)
-        if runner is None or not same_plan(runner.plan, plan):
+        if runner is None or runner.n != self.prefill_chunk_tokens or not same_plan(runner.plan, plan):
             runner = SegmentedChunk(plan, self.prefill_chunk_tokens, self.device, capture=self.device.type == "cuda")
             self._segmented = runner
         return runner
