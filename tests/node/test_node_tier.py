@@ -110,8 +110,9 @@ def _prompt(i: int, n: int = 600) -> list[int]:
     return [(7 * i + 13 * k) % 60 + 1 for k in range(n)]
 
 
-def test_eight_concurrent_sessions_decode_bit_identically(tier):
-    t = tier(slots=8)
+@pytest.mark.parametrize("fronts", [0, 2])
+def test_eight_concurrent_sessions_decode_bit_identically(tier, fronts):
+    t = tier(slots=8, tls_fronts=fronts)
     prompts = [_prompt(i, 300 + 97 * i) for i in range(8)]
     results: dict = {}
     errors: list = []
@@ -134,6 +135,7 @@ def test_eight_concurrent_sessions_decode_bit_identically(tier):
         assert res["plan"]["action"] == "full_transfer"
     # every request had a slot of its own at some point: all 8 sessions hold a prompt
     assert len({tuple(s[0][:5]) for s in t.sessions()}) == 8
+    assert not fronts or t.receiver.listener.snapshot()["tls_fronts"]["relayed_total"] == 8
 
 
 @pytest.mark.parametrize("stripes,fronts", [(2, 0), (4, 0), (4, 2)])

@@ -40,8 +40,9 @@ def reference(engine, tokens, n=8):
 
 
 class Nodes:
-    def __init__(self, tmp, *, producer_engine=None, advertised_port=None, control_proxy=False, wire_tap=None, strict_producer=False):
+    def __init__(self, tmp, *, producer_engine=None, advertised_port=None, control_proxy=False, wire_tap=None, strict_producer=False, tls_fronts=0):
         self.tmp = str(tmp)
+        self.tls_fronts = tls_fronts
         self.strict_producer = strict_producer
         self.engine = load_engine(ENGINE)
         self.enrolled = Enrolled(os.path.join(self.tmp, "cluster"), self.engine, producers=("prefill-a", "prefill-b"))
@@ -69,7 +70,9 @@ class Nodes:
 
     def _receiver(self, advertised_port=None):
         # the volume probe is not under test here (and flaky on a loaded shared disk)
-        return ReceiverNode(self.rcfg, self.engine, receipts_dir=self.rdir, advertised_port=advertised_port, check_volume=False).start()
+        return ReceiverNode(
+            self.rcfg, self.engine, receipts_dir=self.rdir, advertised_port=advertised_port, check_volume=False, tls_fronts=self.tls_fronts
+        ).start()
 
     def restart_producer(self, before_start=None):
         # the receiver's config names the port this producer bound: the new one binds it again

@@ -1,7 +1,8 @@
 """The decode node's receive loop fills whole ``wanted()`` views before advancing: a peer
 that stalls in the middle of one is still cut off by the existing deadlines (the accept
 deadline before admission, ``timeout_ms`` after), with a refusal receipt, nothing
-installed and nothing reserved."""
+installed and nothing reserved -- also when TLS fronts relay the connection (deadlines stay
+in the daemon)."""
 
 from __future__ import annotations
 
@@ -50,8 +51,9 @@ class StallingProxy(Proxy):
             server.close()
 
 
-def test_peer_stalling_mid_segment_is_cut_off_by_timeout_ms(nodes):  # noqa: F811
-    n = nodes()
+@pytest.mark.parametrize("fronts", [0, 2])
+def test_peer_stalling_mid_segment_is_cut_off_by_timeout_ms(nodes, fronts):  # noqa: F811
+    n = nodes(tls_fronts=fronts)
     n.rcfg = dataclasses.replace(n.rcfg, timeout_ms=1500, wait_for_producer_ms=1500)
     n.restart_receiver()
     n.receiver.generate(PROMPT[:300], 4)  # a live session to keep intact
@@ -73,10 +75,12 @@ def test_peer_stalling_mid_segment_is_cut_off_by_timeout_ms(nodes):  # noqa: F81
     last = n.refused()[-1]
     assert last["phase"] == "admitted" and last["reason"] == "aborted" and "timed out" in last["detail"], last
     assert 0 < last["payload_bytes"] < 150_000
+    assert not fronts or n.receiver.listener.snapshot()["tls_fronts"]["relayed_total"] == 2  # both transfers relayed
 
 
-def test_peer_stalling_before_admission_is_cut_off_by_the_accept_deadline(nodes):  # noqa: F811
-    n = nodes()
+@pytest.mark.parametrize("fronts", [0, 2])
+def test_peer_stalling_before_admission_is_cut_off_by_the_accept_deadline(nodes, fronts):  # noqa: F811
+    n = nodes(tls_fronts=fronts)
     ep = n.pcfg.data_endpoint("decode-a")
     # the accept deadline runs from expect(): time from there (a handshake slowed by a
     # loaded machine must not make the refusal look early)
@@ -98,14 +102,16 @@ def test_peer_stalling_before_admission_is_cut_off_by_the_accept_deadline(nodes)
     last = receipts(n.rdir)[-1]
     assert last["verdict"] == "refused" and last["phase"] == "begin"
     assert last["reason"] == "aborted" and "timed out" in last["detail"], last
+    assert not fronts or n.receiver.listener.snapshot()["tls_fronts"]["relayed_total"] == 1
 
 
-def test_peer_trickling_before_admission_is_cut_off_at_the_accept_deadline(nodes):  # noqa: F811
+@pytest.mark.parametrize("fronts", [0, 2])
+def test_peer_trickling_before_admission_is_cut_off_at_the_accept_deadline(nodes, fronts):  # noqa: F811
     """A peer that sends one byte every 0.3 s never trips a per-read timeout; the accept
     deadline (1 s here) must still bound the whole wait before admission."""
     import threading
 
-    n = nodes()
+    n = nodes(tls_fronts=fronts)
     ep = n.pcfg.data_endpoint("decode-a")
     pending = n.receiver.expect("muser-1-7", PROMPT, wait_s=1.0)
     ch = connect(ep, "127.0.0.1", n.receiver.data_port)
@@ -139,4 +145,5 @@ def test_peer_trickling_before_admission_is_cut_off_at_the_accept_deadline(nodes
     assert len(n.refused()) > before, "the trickling connection was never refused"
     last = n.refused()[-1]
     assert last["phase"] == "begin" and last["reason"] == "aborted", last
+    assert not fronts or n.receiver.listener.snapshot()["tls_fronts"]["relayed_total"] == 1
     assert took < 3.0, f"the trickling peer held the connection {took:.1f} s past a 1 s accept deadline"
