@@ -160,6 +160,11 @@ def test_unsupported_models_are_refused_or_keep_the_model_forward():
     assert lean_prefill.unsupported_reason(loaded.model, "lower_right") is None
     tweaked = Tweaked(loaded.model.config)
     assert "LlamaForCausalLM" in (lean_prefill.unsupported_reason(tweaked, "lower_right") or "")
+    norm = loaded.model.model.layers[0].input_layernorm
+    norm.forward = lambda hidden: hidden  # what kernelize() does to a module, in kind
+    assert "replaced forward" in (lean_prefill.unsupported_reason(loaded.model, "lower_right") or "")
+    del norm.forward
+    assert lean_prefill.unsupported_reason(loaded.model, "lower_right") is None
     loaded.model.model.layers[1].mlp.up_proj = torch.nn.Identity()
     assert "projection" in (lean_prefill.unsupported_reason(loaded.model, "lower_right") or "")
 

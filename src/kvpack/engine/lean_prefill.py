@@ -103,6 +103,11 @@ def unsupported_reason(model: Any, prefill_attention: str) -> str | None:
                 return f"layer {i}: projection {type(proj).__name__} is not torch.nn.Linear"
     if not _exactly(model.lm_head, torch.nn.Linear):
         return f"lm_head {type(model.lm_head).__name__} is not torch.nn.Linear"
+    for name, module in model.named_modules():
+        # kernelize() (hub kernels) and other patching replace a module's forward on the
+        # instance; the lean forward computes the class's ops and would not match
+        if "forward" in vars(module):
+            return f"module {name or type(model).__name__} has a replaced forward"
     return hooks_reason(model)
 
 
