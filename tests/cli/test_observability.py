@@ -89,6 +89,10 @@ def test_status_page_escapes_everything():
     html = render_html(snap)
     assert "<script" not in html and "&lt;script&gt;alert(1)&lt;/script&gt;" in html
     assert "&quot;" in html and "&#x27;" in html
+    assert 'id="tls-fronts"' not in html  # a node without fronts shows no fronts line
+    snap["node"]["tls_fronts"] = {"configured": 2, "live": 1, "restarts": evil, "relayed_total": 7, "connections": [3, None]}
+    html = render_html(snap)
+    assert "TLS fronts: 1 of 2 live" in html and "7 connections relayed" in html and "<script" not in html
 
 
 def test_throughput_buckets():

@@ -523,6 +523,18 @@ def _section_nodes(snap: Snapshot) -> str:
     return _table(["node", "role", "onboarding state", "failure", "updated (UTC)"], rows, table_id="nodes", empty="no onboarding records")
 
 
+def _line_fronts(node: dict) -> str:
+    """The decode node's TLS front processes, when it runs any (docs/operations.md 3e)."""
+    fronts = node.get("tls_fronts")
+    if not isinstance(fronts, dict):
+        return ""
+    return (
+        f'<p id="tls-fronts">TLS fronts: {_e(fronts.get("live"))} of {_e(fronts.get("configured"))} live, '
+        f"{_e(fronts.get('restarts'))} restarts, {_e(fronts.get('relayed_total'))} connections relayed, "
+        f"holding {_e(fronts.get('connections'))}</p>"
+    )
+
+
 def render_html(snap: Snapshot) -> str:
     """The status page as one self-contained HTML document."""
     node = snap.get("node") or {}
@@ -541,7 +553,8 @@ def render_html(snap: Snapshot) -> str:
         f'<p class="muted" id="build">kvpack {_e(node.get("version"))}, Python {_e(node.get("python"))}; model {_e(model.get("model"))} '
         f"({_e(model.get('engine'))}, {_e(model.get('threads'))} threads), identity <code>{_e(str(model.get('identity_sha256', ''))[:16])}</code>; "
         f"up {_e(node.get('uptime_s'))} s; generated {_e(_when(snap.get('generated_unix')))}</p>"
-        f'<ul id="checks">{checks}</ul>'
+        + _line_fronts(node)
+        + f'<ul id="checks">{checks}</ul>'
         + (f'<ul id="errors" class="bad">{errors}</ul>' if errors else "")
         + "<h2>Sessions</h2>"
         + _section_sessions(snap)
