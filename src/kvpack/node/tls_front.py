@@ -744,7 +744,11 @@ class _FrontServer:
 def relay(tls: ssl.SSLSocket, unix: socket.socket, cid: int, peer: str, report: Callable[[dict], None]) -> None:
     """Move bytes between an authenticated TLS connection and the daemon's socketpair end
     until the daemon closes its end (see the module docstring). Reports ``rd_end`` (how the
-    TLS read direction ended) before the Unix write side shuts, and ``closed`` last."""
+    TLS read direction ended) before the Unix write side shuts, and ``closed`` last.
+
+    Readiness-driven: a socket is read only after the selector said so (or while the last
+    read stopped at a full buffer), so a stream that runs dry between records costs one
+    failed TLS read, one send and one ``epoll_wait`` -- not a round of failed reads."""
     tls.setblocking(False)
     unix.setblocking(False)
     sel = selectors.DefaultSelector()
@@ -754,6 +758,8 @@ def relay(tls: ssl.SSLSocket, unix: socket.socket, cid: int, peer: str, report: 
     start = end = 0  # decrypted bytes not yet sent to the daemon: buf[start:end]
     out = b""  # the daemon's bytes not yet written to TLS
     tls_open = unix_open = True
+    tls_ready = unix_ready = True  # may have bytes: read without waiting (first round: yes)
+    tls_read_wants_write = False
     ended = False  # rd_end reported
     registered: dict[Any, int] = {}
 
@@ -779,11 +785,8 @@ def relay(tls: ssl.SSLSocket, unix: socket.socket, cid: int, peer: str, report: 
 
     try:
         while True:
-            progressed = False
-            tls_full = False
-            tls_write_for_read = False
             # 1. TLS -> buffer: records until the socket runs dry or the buffer fills
-            if tls_open and end < cap:
+            if tls_open and tls_ready and end < cap:
                 try:
                     while end < cap:
                         n = tls.recv_into(view[end:])
@@ -791,31 +794,22 @@ def relay(tls: ssl.SSLSocket, unix: socket.socket, cid: int, peer: str, report: 
                             tls_open = False
                             break
                         end += n
-                        progressed = True
-                    else:
-                        tls_full = True
                 except ssl.SSLWantReadError:
-                    pass
+                    tls_ready = False
                 except ssl.SSLWantWriteError:
-                    tls_write_for_read = True
+                    tls_ready, tls_read_wants_write = False, True
                 except ssl.SSLError as exc:
                     err = map_tls_error(exc, stage="read", peer=peer)
-                    tls_open = False
-                    start = end = 0  # what the peer sent before a bad record is not delivered
+                    # what the peer sent before a bad record is not delivered
                     read_end({"status": "tls", "category": err.category, "detail": err.message})
                     return
                 except OSError as exc:
-                    tls_open = False
-                    start = end = 0
                     read_end({"status": "conn", "errno": exc.errno or errno.ECONNRESET, "detail": f"{type(exc).__name__}: {exc}"})
                     return
-            elif end >= cap:
-                tls_full = True
             # 2. buffer -> daemon
             if end > start:
                 try:
                     start += unix.send(view[start:end])
-                    progressed = True
                 except BlockingIOError:
                     pass
                 except OSError:
@@ -837,23 +831,20 @@ def relay(tls: ssl.SSLSocket, unix: socket.socket, cid: int, peer: str, report: 
                 except OSError:
                     pass
             # 3. daemon -> TLS (ACKs, responses: small)
-            if unix_open and not out:
+            if unix_open and unix_ready and not out:
                 try:
                     data = unix.recv(1 << 16)
                     if data:
                         out = data
                     else:
                         unix_open = False
-                    progressed = True
                 except BlockingIOError:
-                    pass
+                    unix_ready = False
                 except OSError:
                     unix_open = False
             if out:
                 try:
-                    n = tls.send(out)
-                    out = out[n:]
-                    progressed = True
+                    out = out[tls.send(out) :]
                 except (ssl.SSLWantWriteError, ssl.SSLWantReadError):
                     pass
                 except (OSError, ssl.SSLError) as exc:
@@ -861,20 +852,24 @@ def relay(tls: ssl.SSLSocket, unix: socket.socket, cid: int, peer: str, report: 
                     return
             if not unix_open and not out:
                 return  # the daemon is done and its last bytes are written
-            if progressed:
+            # more to do at once: records left behind a full buffer that has room again, or
+            # the next reply after one that went out
+            if (tls_open and tls_ready and end < cap) or (unix_open and unix_ready and not out):
                 continue
-            tls_events = 0
-            if tls_open and not tls_full:
-                tls_events |= selectors.EVENT_READ
-            if out or tls_write_for_read:
+            tls_events = selectors.EVENT_READ if tls_open and not tls_ready and end < cap else 0
+            if out or tls_read_wants_write:
                 tls_events |= selectors.EVENT_WRITE
             unix_events = selectors.EVENT_WRITE if end > start else 0
             if unix_open and not out:
                 unix_events |= selectors.EVENT_READ
             watch(tls, tls_events)
             watch(unix, unix_events)
-            if registered:
-                sel.select()
+            for key, mask in sel.select():
+                if key.fileobj is tls:
+                    if mask & selectors.EVENT_READ or (tls_read_wants_write and mask & selectors.EVENT_WRITE):
+                        tls_ready, tls_read_wants_write = True, False
+                elif mask & selectors.EVENT_READ:
+                    unix_ready = True
     except Exception as exc:  # noqa: BLE001 - a relay bug fails this connection, not the front
         read_end({"status": "aborted", "detail": f"TLS front relay failed: {type(exc).__name__}: {exc}"})
     finally:
