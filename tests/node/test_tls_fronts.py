@@ -444,3 +444,40 @@ def test_a_relayed_read_without_a_report_is_aborted_and_timeouts_stay_timeouts(m
         assert info.value.category == "aborted" and "did not report" in info.value.message
     finally:
         chan.close()
+
+
+def test_concurrent_relayed_streams_arrive_byte_exact_over_both_fronts(cluster, tmp_path):
+    import hashlib
+
+    size = 2 * tls_front.RELAY_BATCH_BYTES + 777
+    seen_fronts: list = []
+
+    def serve(chan):
+        seen_fronts.append(chan.front)
+        buf = memoryview(bytearray(size))
+        assert fill(chan, buf, Deadline(60.0, what="stream")) == size
+        chan.sendall(hashlib.sha256(buf).digest())
+
+    lst = _fronted(cluster, tmp_path, serve=serve)
+    ep = cluster.producer_config().data_endpoint("decode-a")
+    results: dict = {}
+
+    def client(i):
+        data = os.urandom(size)
+        ch = connect(ep, "127.0.0.1", lst.port, timeout=20)
+        try:
+            ch.sendall(data)
+            results[i] = ch.recv_exact(32) == hashlib.sha256(data).digest()
+        finally:
+            ch.close()
+
+    try:
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(12)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    finally:
+        lst.stop()
+    assert results == {i: True for i in range(12)}
+    assert sorted(set(seen_fronts)) == [0, 1]  # dispatched to the least loaded: both used
