@@ -64,7 +64,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol, Union
 
 from ..errors import KvpackError, ProtocolError, SecurityError
-from ..security.tls import PeerInfo, TlsEndpoint, _closed_before_speaking, map_tls_error, server_context, verify_peer
+from ..security.tls import ChannelReads, PeerInfo, TlsEndpoint, _closed_before_speaking, map_tls_error, server_context, verify_peer
 
 log = logging.getLogger("kvpack.node.tls_front")
 
@@ -133,7 +133,7 @@ def _recv(ctl: socket.socket) -> tuple[Optional[dict], list[int]]:
 # -- the daemon's side of a relayed connection -------------------------------------------------
 
 
-class RelayChannel:
+class RelayChannel(ChannelReads):
     """A verified connection whose TLS a front terminates: what the daemons use of
     :class:`~kvpack.security.tls.TlsChannel`, over the daemon's end of a socketpair.
 
@@ -202,25 +202,6 @@ class RelayChannel:
 
     def has_pending(self) -> bool:
         return False
-
-    def read_error(self, exc: ssl.SSLError) -> Exception:
-        return map_tls_error(exc, stage="read", peer=self.peer_address)
-
-    def recv(self, bufsize: int) -> bytes:
-        buf = bytearray(bufsize)
-        n = self.recv_into(buf)
-        return bytes(buf[:n])
-
-    def recv_exact(self, n: int) -> bytes:
-        buf = bytearray(n)
-        view = memoryview(buf)
-        got = 0
-        while got < n:
-            k = self.recv_into(view[got:])
-            if k == 0:
-                raise EOFError(f"peer {self.peer_address} closed after {got} of {n} bytes")
-            got += k
-        return bytes(buf)
 
     # Writes --------------------------------------------------------------------------------------
     def sendall(self, data: Any) -> None:

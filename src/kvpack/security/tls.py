@@ -316,7 +316,38 @@ def _peer_name(sock: socket.socket) -> str:
 # -- blocking channel ------------------------------------------------------------------------------
 
 
-class TlsChannel:
+class ChannelReads:
+    """Reads every channel type offers on top of its ``recv_into`` (a TLS channel, and a
+    daemon's relayed channel whose TLS a front process terminates: kvpack.node.tls_front)."""
+
+    peer_address: str
+
+    def recv_into(self, buffer: memoryview | bytearray, nbytes: int = 0) -> int:
+        raise NotImplementedError
+
+    def read_error(self, exc: ssl.SSLError) -> Exception:
+        """The typed error of a TLS read failure (for drivers reading ``sock`` directly)."""
+        return map_tls_error(exc, stage="read", peer=self.peer_address)
+
+    def recv(self, bufsize: int) -> bytes:
+        buf = bytearray(bufsize)
+        n = self.recv_into(buf)
+        return bytes(buf[:n])
+
+    def recv_exact(self, n: int) -> bytes:
+        """Exactly ``n`` bytes; EOFError if the peer closes in the middle."""
+        buf = bytearray(n)
+        view = memoryview(buf)
+        got = 0
+        while got < n:
+            k = self.recv_into(view[got:])
+            if k == 0:
+                raise EOFError(f"peer {self.peer_address} closed after {got} of {n} bytes")
+            got += k
+        return bytes(buf)
+
+
+class TlsChannel(ChannelReads):
     """A verified mTLS connection (blocking). Built only by :func:`connect` and :func:`accept`."""
 
     def __init__(self, sock: ssl.SSLSocket, peer: PeerInfo, *, side: str, pending: bytes = b"") -> None:
@@ -361,27 +392,6 @@ class TlsChannel:
     def has_pending(self) -> bool:
         """Bytes read ahead (during the handshake) that :meth:`recv_into` hands out first."""
         return bool(self._pending)
-
-    def read_error(self, exc: ssl.SSLError) -> Exception:
-        """The typed error of a TLS read failure (for drivers reading ``sock`` directly)."""
-        return map_tls_error(exc, stage="read", peer=self.peer_address)
-
-    def recv(self, bufsize: int) -> bytes:
-        buf = bytearray(bufsize)
-        n = self.recv_into(buf)
-        return bytes(buf[:n])
-
-    def recv_exact(self, n: int) -> bytes:
-        """Exactly ``n`` bytes; EOFError if the peer closes in the middle."""
-        buf = bytearray(n)
-        view = memoryview(buf)
-        got = 0
-        while got < n:
-            k = self.recv_into(view[got:])
-            if k == 0:
-                raise EOFError(f"peer {self.peer_address} closed after {got} of {n} bytes")
-            got += k
-        return bytes(buf)
 
     # Writes --------------------------------------------------------------------------------------
     def sendall(self, data: bytes | bytearray | memoryview) -> None:
