@@ -85,6 +85,32 @@ def _receive(chan, share: int, hash_passes: int = 0) -> None:
     chan.sendall(b"k")
 
 
+def _receive_all(streams, share: int, hash_passes: int, start) -> tuple[list[float], float]:
+    """After the start signal, every stream read on a thread of its own: when each ended
+    (monotonic) and the process's CPU seconds meanwhile."""
+    if not start.wait(TIMEOUT_S):
+        raise RuntimeError("no start")
+    c0 = _cpu()
+    errors: list = []
+    ends: list[float] = []
+
+    def run(stream) -> None:
+        try:
+            _receive(stream, share, hash_passes)
+            ends.append(time.monotonic())
+        except BaseException as exc:  # noqa: BLE001 - reported to the parent
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(stream,)) for stream in streams]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return ends, _cpu() - c0
+
+
 def _relay_proc(path: str, share: int, server_ep, ports, events, start) -> None:
     """One TLS front: terminates one stream and relays its plaintext over AF_UNIX in
     batches of up to 1 MiB (the design of the receiver's TLS front processes)."""
@@ -154,27 +180,7 @@ def _relay_receiver_proc(n: int, share: int, hash_passes: int, paths, events, st
             c.settimeout(TIMEOUT_S)
             conns.append(c)
         events.put(("ready", n))
-        if not start.wait(TIMEOUT_S):
-            raise RuntimeError("no start")
-        c0 = _cpu()
-        errors: list = []
-        ends: list[float] = []
-
-        def run(c) -> None:
-            try:
-                _receive(c, share, hash_passes)
-                ends.append(time.monotonic())
-            except BaseException as exc:  # noqa: BLE001 - reported to the parent
-                errors.append(exc)
-
-        threads = [threading.Thread(target=run, args=(c,)) for c in conns]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            raise errors[0]
-        events.put(("done", (ends, _cpu() - c0)))
+        events.put(("done", _receive_all(conns, share, hash_passes, start)))
         for c in conns:
             c.close()
     except BaseException:
@@ -192,28 +198,7 @@ def _receiver_proc(n: int, share: int, server_ep, switch_s: float, hash_passes: 
         for ch in chans:
             ch.settimeout(TIMEOUT_S)
         events.put(("ready", n))
-        if not start.wait(TIMEOUT_S):
-            raise RuntimeError("no start")
-        c0 = _cpu()
-        errors: list = []
-
-        ends: list[float] = []
-
-        def run(ch) -> None:
-            try:
-                _receive(ch, share, hash_passes)
-                ends.append(time.monotonic())
-            except BaseException as exc:  # noqa: BLE001 - reported to the parent
-                errors.append(exc)
-
-        threads = [threading.Thread(target=run, args=(ch,)) for ch in chans]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            raise errors[0]
-        events.put(("done", (ends, _cpu() - c0)))
+        events.put(("done", _receive_all(chans, share, hash_passes, start)))
         for ch in chans:
             try:
                 ch.recv(1)
