@@ -64,7 +64,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol, Union
 
 from ..errors import KvpackError, ProtocolError, SecurityError
-from ..security.tls import ChannelReads, PeerInfo, TlsEndpoint, _closed_before_speaking, map_tls_error, server_context, verify_peer
+from ..security.tls import SocketChannel, PeerInfo, TlsEndpoint, _closed_before_speaking, map_tls_error, server_context, verify_peer
 
 log = logging.getLogger("kvpack.node.tls_front")
 
@@ -133,7 +133,7 @@ def _recv(ctl: socket.socket) -> tuple[Optional[dict], list[int]]:
 # -- the daemon's side of a relayed connection -------------------------------------------------
 
 
-class RelayChannel(ChannelReads):
+class RelayChannel(SocketChannel):
     """A verified connection whose TLS a front terminates: what the daemons use of
     :class:`~kvpack.security.tls.TlsChannel`, over the daemon's end of a socketpair.
 
@@ -211,25 +211,6 @@ class RelayChannel(ChannelReads):
             if not self.peer_has_spoken:
                 raise _closed_before_speaking(self.peer_address) from None
             raise
-
-    # Lifetime ------------------------------------------------------------------------------------
-    def settimeout(self, timeout: Optional[float]) -> None:
-        self.sock.settimeout(timeout)
-
-    def fileno(self) -> int:
-        return self.sock.fileno()
-
-    def close(self) -> None:
-        try:
-            self.sock.close()
-        except OSError:
-            pass
-
-    def __enter__(self) -> "RelayChannel":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 # -- the pool (daemon side) --------------------------------------------------------------------

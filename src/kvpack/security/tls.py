@@ -48,6 +48,7 @@ import ssl
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any, Self
 
 from ..errors import SecurityError
 from ..vocab import is_hex64, sha256_hex
@@ -316,11 +317,13 @@ def _peer_name(sock: socket.socket) -> str:
 # -- blocking channel ------------------------------------------------------------------------------
 
 
-class ChannelReads:
-    """Reads every channel type offers on top of its ``recv_into`` (a TLS channel, and a
-    daemon's relayed channel whose TLS a front process terminates: kvpack.node.tls_front)."""
+class SocketChannel:
+    """What every channel type offers on top of its ``recv_into`` and its socket ``sock``:
+    derived reads and the socket's lifetime (a TLS channel, and a daemon's relayed channel
+    whose TLS a front process terminates: kvpack.node.tls_front)."""
 
     peer_address: str
+    sock: Any
 
     def recv_into(self, buffer: memoryview | bytearray, nbytes: int = 0) -> int:
         raise NotImplementedError
@@ -346,8 +349,27 @@ class ChannelReads:
             got += k
         return bytes(buf)
 
+    # Lifetime ------------------------------------------------------------------------------------
+    def settimeout(self, timeout: float | None) -> None:
+        self.sock.settimeout(timeout)
 
-class TlsChannel(ChannelReads):
+    def fileno(self) -> int:
+        return int(self.sock.fileno())
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class TlsChannel(SocketChannel):
     """A verified mTLS connection (blocking). Built only by :func:`connect` and :func:`accept`."""
 
     def __init__(self, sock: ssl.SSLSocket, peer: PeerInfo, *, side: str, pending: bytes = b"") -> None:
@@ -404,25 +426,6 @@ class TlsChannel(ChannelReads):
             if not self.peer_has_spoken:
                 raise _closed_before_speaking(self.peer_address) from None
             raise
-
-    # Lifetime ------------------------------------------------------------------------------------
-    def settimeout(self, timeout: float | None) -> None:
-        self.sock.settimeout(timeout)
-
-    def fileno(self) -> int:
-        return self.sock.fileno()
-
-    def close(self) -> None:
-        try:
-            self.sock.close()
-        except OSError:
-            pass
-
-    def __enter__(self) -> "TlsChannel":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def _await_server_confirmation(tls: ssl.SSLSocket, deadline: float, peer: str) -> bytes:
