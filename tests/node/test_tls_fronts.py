@@ -40,10 +40,10 @@ def _echo(chan):
         chan.sendall(bytes(buf))
 
 
-def _fronted(cluster, tmp_path, serve=_echo, fronts=2, **limits):
+def _fronted(cluster, tmp_path, serve=_echo, fronts=2, linger_s=tls_front.RELAY_LINGER_S, **limits):
     ep = cluster.receiver_config().data_endpoint()
     lim = Limits(**limits)
-    pool = FrontPool("test", ep, fronts, lim.handshake_s).start()
+    pool = FrontPool("test", ep, fronts, lim.handshake_s, linger_s=linger_s).start()
     refusals = RefusalLog("receiver", str(tmp_path / "refusals.log"), interval_s=0.2)
     sock = bind_tcp("127.0.0.1", 0, "data listener")
     return Listener("test", sock, ep, server_context(ep), serve, limits=lim, refusals=refusals, fronts=pool).start()
@@ -481,3 +481,34 @@ def test_concurrent_relayed_streams_arrive_byte_exact_over_both_fronts(cluster, 
         lst.stop()
     assert results == {i: True for i in range(12)}
     assert sorted(set(seen_fronts)) == [0, 1]  # dispatched to the least loaded: both used
+
+
+def test_a_peer_that_stops_reading_does_not_keep_a_relay_after_the_daemon_closes(cluster, tmp_path):
+    """The daemon answers more than the socket buffers hold and closes its end (as a
+    deadline would); the authenticated peer never reads. The front must drop the relay --
+    its thread, its TLS socket -- instead of waiting on the peer forever: the daemon
+    released the slot, so nothing else bounds what such relays would hold."""
+    answered = threading.Event()
+
+    def flood(chan):
+        buf = memoryview(bytearray(1))
+        if fill(chan, buf, Deadline(5.0, what="flood")) == 1:
+            chan.settimeout(0.5)
+            try:
+                while True:  # until the socketpair and the peer's buffers are full
+                    chan.sendall(b"x" * (1 << 20))
+            except OSError:
+                pass
+        answered.set()
+
+    lst = _fronted(cluster, tmp_path, serve=flood, fronts=1, linger_s=1.0)
+    try:
+        ch = connect(cluster.producer_config().data_endpoint("decode-a"), "127.0.0.1", lst.port, timeout=10)
+        try:
+            ch.sendall(b"!")
+            assert answered.wait(20)  # the daemon gave up and closed its end
+            assert _eventually(lambda: lst.fronts.snapshot()["connections"] == [0], timeout=10)
+        finally:
+            ch.close()
+    finally:
+        lst.stop()

@@ -52,6 +52,7 @@ import itertools
 import json
 import logging
 import os
+import select
 import selectors
 import signal
 import socket
@@ -79,6 +80,13 @@ RELAY_SOCKET_BYTES = 4 << 20
 RELAY_BATCH_BYTES = 1 << 20
 #: a read that hit the socketpair's end waits this long for the front's report of why
 END_REPORT_WAIT_S = 5.0
+#: how long a relay keeps the daemon's last bytes for a peer that does not read them once
+#: the daemon has closed its end (its deadline passed or its reply is complete): then the
+#: relay ends, so a peer that stops reading holds a front's thread and socket this long at
+#: most, not until it closes
+RELAY_LINGER_S = 30.0
+#: how often a relay with bytes the peer is not taking looks whether the daemon has gone
+RELAY_LINGER_POLL_S = 0.5
 #: respawns of one front slot within RESTART_WINDOW_S before the slot stays empty
 MAX_RESTARTS = 5
 RESTART_WINDOW_S = 60.0
@@ -247,13 +255,14 @@ class FrontHost(Protocol):
 class FrontPool:
     """``count`` TLS front processes for one listener endpoint (see the module docstring)."""
 
-    def __init__(self, name: str, endpoint: TlsEndpoint, count: int, handshake_s: float) -> None:
+    def __init__(self, name: str, endpoint: TlsEndpoint, count: int, handshake_s: float, *, linger_s: float = RELAY_LINGER_S) -> None:
         if count < 1:
             raise ValueError("a front pool needs at least one front")
         self.name = name
         self.endpoint = endpoint
         self.count = count
         self.handshake_s = handshake_s
+        self.linger_s = linger_s
         self.host: Optional[FrontHost] = None
         self._fronts: list[Optional[_Front]] = [None] * count
         self._restarts: list[list[float]] = [[] for _ in range(count)]
@@ -325,6 +334,7 @@ class FrontPool:
                     "peer_pins": sorted(ep.peer_pins),
                     "alpn": ep.alpn,
                     "handshake_s": self.handshake_s,
+                    "linger_s": self.linger_s,
                 },
             )
         except OSError:
@@ -603,11 +613,12 @@ class _Handshake:
 class _FrontServer:
     """The front's main thread: control messages and every handshake, one selector."""
 
-    def __init__(self, ctl: socket.socket, endpoint: TlsEndpoint, context: ssl.SSLContext, handshake_s: float) -> None:
+    def __init__(self, ctl: socket.socket, endpoint: TlsEndpoint, context: ssl.SSLContext, handshake_s: float, linger_s: float = RELAY_LINGER_S) -> None:
         self.ctl = ctl
         self.endpoint = endpoint
         self.context = context
         self.handshake_s = handshake_s
+        self.linger_s = linger_s
         self.sel = selectors.DefaultSelector()
         self.pending: dict[int, _Handshake] = {}
         self._send_lock = threading.Lock()
@@ -684,7 +695,7 @@ class _FrontServer:
         self._forget(hs)
         # the report precedes every report of the relay (one ordered control stream)
         self.report({"op": "auth", "id": hs.id, "leaf": info.leaf_sha256, "alpn": info.alpn, "version": info.version, "cipher": info.cipher})
-        threading.Thread(target=relay, args=(hs.tls, hs.unix, hs.id, hs.peer, self.report), name=f"relay-{hs.id}", daemon=True).start()
+        threading.Thread(target=relay, args=(hs.tls, hs.unix, hs.id, hs.peer, self.report, self.linger_s), name=f"relay-{hs.id}", daemon=True).start()
 
     def _forget(self, hs: _Handshake) -> None:
         self.pending.pop(hs.tls.fileno(), None)
@@ -703,7 +714,15 @@ class _FrontServer:
         self.report({"op": "refused", "id": hs.id, "category": category, "detail": detail})
 
 
-def relay(tls: ssl.SSLSocket, unix: socket.socket, cid: int, peer: str, report: Callable[[dict], None]) -> None:
+def _daemon_closed(unix: socket.socket) -> bool:
+    """Whether the daemon closed its end of the socketpair, even with bytes of it still
+    unread here (``POLLRDHUP``; a read would only see them first)."""
+    probe = select.poll()
+    probe.register(unix, select.POLLRDHUP | select.POLLHUP)
+    return any(ev & (select.POLLRDHUP | select.POLLHUP | select.POLLERR) for _fd, ev in probe.poll(0))
+
+
+def relay(tls: ssl.SSLSocket, unix: socket.socket, cid: int, peer: str, report: Callable[[dict], None], linger_s: float = RELAY_LINGER_S) -> None:
     """Move bytes between an authenticated TLS connection and the daemon's socketpair end
     until the daemon closes its end (see the module docstring). Reports ``rd_end`` (how the
     TLS read direction ended) before the Unix write side shuts, and ``closed`` last.
@@ -722,6 +741,7 @@ def relay(tls: ssl.SSLSocket, unix: socket.socket, cid: int, peer: str, report: 
     tls_open = unix_open = True
     tls_ready = unix_ready = True  # may have bytes: read without waiting (first round: yes)
     tls_read_wants_write = False
+    gone_at: Optional[float] = None  # when the daemon was first seen closed while the peer would not read
     ended = False  # rd_end reported
     registered: dict[Any, int] = {}
 
@@ -826,7 +846,14 @@ def relay(tls: ssl.SSLSocket, unix: socket.socket, cid: int, peer: str, report: 
                 unix_events |= selectors.EVENT_READ
             watch(tls, tls_events)
             watch(unix, unix_events)
-            for key, mask in sel.select():
+            ready = sel.select(RELAY_LINGER_POLL_S if out else None)
+            if out and not ready:  # the peer is not taking the daemon's bytes
+                if gone_at is None and _daemon_closed(unix):
+                    gone_at = time.monotonic()
+                if gone_at is not None and time.monotonic() - gone_at >= linger_s:
+                    read_end({"status": "conn", "errno": errno.ETIMEDOUT, "detail": f"peer took no bytes for {linger_s:g} s after the daemon closed"})
+                    return
+            for key, mask in ready:
                 if key.fileobj is tls:
                     if mask & selectors.EVENT_READ or (tls_read_wants_write and mask & selectors.EVENT_WRITE):
                         tls_ready, tls_read_wants_write = True, False
@@ -862,7 +889,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         _send(ctl, {"op": "fatal", "category": exc.category, "detail": exc.message})
         return 2
     _send(ctl, {"op": "ready", "pid": os.getpid()})
-    _FrontServer(ctl, endpoint, context, float(obj["handshake_s"])).run()
+    _FrontServer(ctl, endpoint, context, float(obj["handshake_s"]), float(obj.get("linger_s", RELAY_LINGER_S))).run()
     # relay threads die with the process; their sockets close with it (the daemon's ends
     # see EOF and its deadlines and reports do the rest)
     os._exit(0)
