@@ -363,3 +363,26 @@ def test_device_verified_refusal_on_cuda(tmp_path, monkeypatch, digests):
     assert "object digest" in str(exc.value)
     assert r.cache_digest() == before
     assert _ring_idle(eng.device, store.wave_chunks)
+
+
+@requires_cuda
+@pytest.mark.parametrize("count", [1, 31, 33, 65])
+def test_gpu_sha256_partial_groups_with_one_long_message(count):
+    """Jobs run in groups of 32 sharing two warps; a group that is not full, or whose longest
+    message sits in any lane, still gives every lane its own digest."""
+    import torch
+
+    from kvpack.engine import gpu_digest
+
+    rng = random.Random(count)
+    buf = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, device="cuda")
+    host = buf.cpu().numpy().tobytes()
+    long_lane = rng.randrange(count)
+    cases = []
+    for i in range(count):
+        n = (1 << 19) + 3 if i == long_lane else rng.randrange(0, 300)
+        off = rng.randrange(0, 4)
+        head = rng.randbytes(rng.choice([0, 64, 130]))
+        cases.append((buf[off : off + n], head, head + host[off : off + n]))
+    got = gpu_digest.sha256_many([(b, h) for b, h, _ in cases], "cuda")
+    assert got == [hashlib.sha256(m).digest() for _b, _h, m in cases]

@@ -4,7 +4,17 @@ A verified restore has to hash every byte twice (the object's SHA-256 and the co
 HMAC over the plaintext). On the CPU that is the whole restore budget: 8.6 GB of hashing for
 a 32k-token 8B-shape cache, about 0.54 s on 16 cores. The bytes have to go to the GPU
 anyway, and every chunk's two hashes are independent of every other chunk's, so the GPU
-can run thousands of them at once, one message per thread.
+can run thousands of them at once.
+
+SHA-256 of one message is a chain of 64-round compressions, so a launch takes as long as its
+longest message, and that latency is what a restore waits for after its last upload. A lone
+thread per message was bound by its integer pipe (the schedule's expansion and the rounds
+issue on the same scheduler of the multiprocessor): 58.7 ms for a 2 MiB message on the H200.
+The kernel therefore gives each group of 32 messages two warps, which land on different
+schedulers: warp 0 reads every 64-byte block and expands its schedule into shared memory as
+``K[t] + W[t]`` (two stages, named barriers), warp 1 runs the rounds from there: 35.1 ms for
+the same message, 244 GB/s over 4,096 of them (146 before;
+reproduce with ``benchmarks/diag_gpu_sha256.py --mib 2 --jobs 1,256,4096``).
 
 A *job* is the message ``head || body``: ``body`` is device memory (a chunk object, or the
 plaintext inside it) and ``head`` an optional short prefix (for the content ID: the HMAC
@@ -46,95 +56,136 @@ __constant__ u32 K256[64] = {
 
 __device__ __forceinline__ u32 rotr(u32 x, u32 n) { return __funnelshift_r(x, x, n); }
 __device__ __forceinline__ u32 be32(u32 x) { return __byte_perm(x, 0, 0x0123); }
+__device__ __forceinline__ void bar_sync(u32 id) { asm volatile("bar.sync %0, 64;" :: "r"(id) : "memory"); }
+__device__ __forceinline__ void bar_arrive(u32 id) { asm volatile("bar.arrive %0, 64;" :: "r"(id) : "memory"); }
 
-__device__ __forceinline__ void compress(u32* st, u32* w) {
-  u32 a = st[0], b = st[1], c = st[2], d = st[3], e = st[4], f = st[5], g = st[6], h = st[7];
-#pragma unroll
-  for (int t = 0; t < 64; ++t) {
-    u32 wt;
-    if (t < 16) {
-      wt = w[t];
-    } else {
-      u32 w15 = w[(t - 15) & 15], w2 = w[(t - 2) & 15];
-      u32 s0 = rotr(w15, 7) ^ rotr(w15, 18) ^ (w15 >> 3);
-      u32 s1 = rotr(w2, 17) ^ rotr(w2, 19) ^ (w2 >> 10);
-      wt = w[t & 15] = w[t & 15] + s0 + w[(t - 7) & 15] + s1;
-    }
-    u32 t1 = h + (rotr(e, 6) ^ rotr(e, 11) ^ rotr(e, 25)) + ((e & f) ^ (~e & g)) + K256[t] + wt;
-    u32 t2 = (rotr(a, 2) ^ rotr(a, 13) ^ rotr(a, 22)) + ((a & b) ^ (a & c) ^ (b & c));
-    h = g; g = f; f = e; e = d + t1; d = c; c = b; b = a; a = t1 + t2;
+#define STAGES 2
+#define FULL 1
+#define EMPTY (1 + STAGES)
+
+// Two warps per 32 jobs: warp 0 reads each 64-byte block and expands its message schedule
+// into shared memory as K[t] + W[t]; warp 1 runs the 64 rounds from there. The rounds are the
+// latency of one long message; the schedule is a third of their integer work, now done on
+// another scheduler of the multiprocessor.
+extern "C" __global__ void __launch_bounds__(64) sha256_jobs(const u64* jobs, u32* out, int njobs) {
+  __shared__ u32 kw[STAGES][64][32];
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int j = blockIdx.x * 32 + lane;
+  const bool active = j < njobs;
+  const u8* body = 0;
+  const u8* head = 0;
+  u64 blen = 0, hlen = 0;
+  if (active) {
+    body = (const u8*)jobs[4 * j + 0];
+    head = (const u8*)jobs[4 * j + 1];
+    blen = jobs[4 * j + 2];
+    hlen = jobs[4 * j + 3];
   }
-  st[0] += a; st[1] += b; st[2] += c; st[3] += d; st[4] += e; st[5] += f; st[6] += g; st[7] += h;
-}
-
-// jobs[4*j .. 4*j+3] = body address, head address, body bytes, head bytes.
-// out[8*j .. 8*j+7] = the final SHA-256 state words of head || body.
-extern "C" __global__ void sha256_jobs(const u64* jobs, u32* out, int njobs) {
-  int j = blockIdx.x * blockDim.x + threadIdx.x;
-  if (j >= njobs) return;
-  const u8* body = (const u8*)jobs[4 * j + 0];
-  const u8* head = (const u8*)jobs[4 * j + 1];
-  const u64 blen = jobs[4 * j + 2];
-  const u64 hlen = jobs[4 * j + 3];
   const u64 total = hlen + blen;
-  const u64 nblocks = (total + 9 + 63) / 64;
-  u32 st[8] = {0x6a09e667u, 0xbb67ae85u, 0x3c6ef372u, 0xa54ff53au, 0x510e527fu, 0x9b05688cu, 0x1f83d9abu, 0x5be0cd19u};
-  u32 w[16];
-  // Blocks wholly inside the body (with 4 readable bytes beyond) are read as aligned words,
-  // and the next block's words are loaded before this block is compressed: one message per
-  // thread leaves no other warp to hide the load latency behind.
-  const u64 shift_base = (u64)body - hlen;  // message byte m lives at shift_base + m (m >= hlen)
-  const u32 sh = (u32)(shift_base & 3);
-  u32 nv[17];
-  bool have_next = false;
-  for (u64 blk = 0; blk < nblocks; ++blk) {
-    const u64 p = blk * 64;
-    const bool fast = p >= hlen && p + 68 <= total;
-    if (fast) {
-      if (!have_next) {
-        const u32* al = (const u32*)((shift_base + p) & ~(u64)3);
+  const u32 nblocks = active ? (u32)((total + 9 + 63) / 64) : 0u;
+  const u32 most = __reduce_max_sync(0xffffffffu, nblocks);
+  if (warp == 0) {
+    const u64 shift_base = (u64)body - hlen;
+    const u32 sh = (u32)(shift_base & 3);
+    u32 nv[17];
+    u32 w[16];
+    bool have_next = false;
+    for (u32 blk = 0; blk < most; ++blk) {
+      const u32 s = blk & (STAGES - 1);
+      if (blk >= STAGES) bar_sync(EMPTY + s);
+      if (blk < nblocks) {
+        const u64 p = (u64)blk * 64;
+        const bool fast = p >= hlen && p + 68 <= total;
+        if (fast) {
+          if (!have_next) {
+            const u32* al = (const u32*)((shift_base + p) & ~(u64)3);
 #pragma unroll
-        for (int i = 0; i < 17; ++i) nv[i] = __ldg(al + i);
-      }
-      if (sh == 0) {
+            for (int i = 0; i < 17; ++i) nv[i] = __ldg(al + i);
+          }
+          if (sh == 0) {
 #pragma unroll
-        for (int i = 0; i < 16; ++i) w[i] = be32(nv[i]);
-      } else {
+            for (int i = 0; i < 16; ++i) w[i] = be32(nv[i]);
+          } else {
 #pragma unroll
-        for (int i = 0; i < 16; ++i) w[i] = be32(__funnelshift_r(nv[i], nv[i + 1], sh * 8));
-      }
-      const u64 q = p + 64;
-      have_next = q >= hlen && q + 68 <= total;
-      if (have_next) {
-        const u32* al = (const u32*)((shift_base + q) & ~(u64)3);
+            for (int i = 0; i < 16; ++i) w[i] = be32(__funnelshift_r(nv[i], nv[i + 1], sh * 8));
+          }
+          const u64 q = p + 64;
+          have_next = q >= hlen && q + 68 <= total;
+          if (have_next) {
+            const u32* al = (const u32*)((shift_base + q) & ~(u64)3);
 #pragma unroll
-        for (int i = 0; i < 17; ++i) nv[i] = __ldg(al + i);
-        if (q + 640 <= total) asm volatile("prefetch.global.L2 [%0];" :: "l"(shift_base + q + 512));
-      }
-    } else {
-      have_next = false;
-      // head bytes, the body's edges, the 0x80 terminator and the bit length
+            for (int i = 0; i < 17; ++i) nv[i] = __ldg(al + i);
+            if (q + 640 <= total) asm volatile("prefetch.global.L2 [%0];" :: "l"(shift_base + q + 512));
+          }
+        } else {
+          have_next = false;
 #pragma unroll
-      for (int i = 0; i < 16; ++i) w[i] = 0;
-      for (int k = 0; k < 64; ++k) {
-        const u64 m = p + k;
-        u32 byte;
-        if (m < hlen) byte = head[m];
-        else if (m < total) byte = body[m - hlen];
-        else if (m == total) byte = 0x80u;
-        else byte = 0;
-        w[k >> 2] |= byte << (24 - 8 * (k & 3));
+          for (int i = 0; i < 16; ++i) {
+            u32 v = 0;
+#pragma unroll
+            for (int b = 0; b < 4; ++b) {
+              const u64 m = p + 4 * i + b;
+              u32 byte;
+              if (m < hlen) byte = head[m];
+              else if (m < total) byte = body[m - hlen];
+              else if (m == total) byte = 0x80u;
+              else byte = 0;
+              v = (v << 8) | byte;
+            }
+            w[i] = v;
+          }
+          if (blk == nblocks - 1) {
+            const u64 bits = total * 8;
+            w[14] = (u32)(bits >> 32);
+            w[15] = (u32)bits;
+          }
+        }
+#pragma unroll
+        for (int t = 0; t < 64; ++t) {
+          u32 wt;
+          if (t < 16) {
+            wt = w[t];
+          } else {
+            u32 w15 = w[(t - 15) & 15], w2 = w[(t - 2) & 15];
+            u32 s0 = rotr(w15, 7) ^ rotr(w15, 18) ^ (w15 >> 3);
+            u32 s1 = rotr(w2, 17) ^ rotr(w2, 19) ^ (w2 >> 10);
+            wt = w[t & 15] = w[t & 15] + s0 + w[(t - 7) & 15] + s1;
+          }
+          kw[s][t][lane] = wt + K256[t];
+        }
       }
-      if (blk == nblocks - 1) {
-        const u64 bits = total * 8;
-        w[14] = (u32)(bits >> 32);
-        w[15] = (u32)bits;
-      }
+      __syncwarp();
+      bar_arrive(FULL + s);
     }
-    compress(st, w);
-  }
+    for (u32 blk = most > STAGES ? most - STAGES : 0; blk < most; ++blk) bar_sync(EMPTY + (blk & (STAGES - 1)));
+  } else {
+    u32 st[8] = {0x6a09e667u, 0xbb67ae85u, 0x3c6ef372u, 0xa54ff53au, 0x510e527fu, 0x9b05688cu, 0x1f83d9abu, 0x5be0cd19u};
+    for (u32 blk = 0; blk < most; ++blk) {
+      const u32 s = blk & (STAGES - 1);
+      bar_sync(FULL + s);
+      if (blk < nblocks) {
+        u32 a = st[0], b = st[1], c = st[2], d = st[3], e = st[4], f = st[5], g = st[6], h = st[7];
 #pragma unroll
-  for (int i = 0; i < 8; ++i) out[8 * j + i] = st[i];
+        for (int t = 0; t < 64; ++t) {
+          const u32 hkw = h + kw[s][t][lane];
+          const u32 s1 = rotr(e, 6) ^ rotr(e, 11) ^ rotr(e, 25);
+          const u32 ch = (e & f) ^ (~e & g);
+          const u32 t1 = hkw + s1 + ch;
+          const u32 s0 = rotr(a, 2) ^ rotr(a, 13) ^ rotr(a, 22);
+          const u32 mj = (a & b) ^ (a & c) ^ (b & c);
+          h = g; g = f; f = e; e = d + t1; d = c; c = b; b = a; a = t1 + s0 + mj;
+        }
+        st[0] += a; st[1] += b; st[2] += c; st[3] += d; st[4] += e; st[5] += f; st[6] += g; st[7] += h;
+      }
+      __syncwarp();
+      bar_arrive(EMPTY + s);
+    }
+    if (active) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) out[8 * j + i] = st[i];
+    }
+  }
 }
 """
 
@@ -142,9 +193,11 @@ _lock = threading.Lock()
 _kernels: dict[int, Any] = {}
 _failure: dict[int, str] = {}
 
-#: Threads per CUDA block. Messages are few (thousands) and long: small blocks spread them
-#: over every multiprocessor instead of packing them onto a few.
-THREADS_PER_BLOCK = 32
+#: Jobs per CUDA block: one warp reads and expands the message schedules of 32 jobs, a second
+#: warp runs their rounds. Messages are few (thousands) and long: small blocks spread them over
+#: every multiprocessor instead of packing them onto a few.
+JOBS_PER_BLOCK = 32
+THREADS_PER_BLOCK = 2 * JOBS_PER_BLOCK
 
 
 def _index(device: Any) -> int:
@@ -193,7 +246,7 @@ def launch(jobs, out, count: int, stream=None) -> None:
     if count <= 0:
         return
     kernel = _kernel(jobs.device)
-    blocks = -(-count // THREADS_PER_BLOCK)
+    blocks = -(-count // JOBS_PER_BLOCK)
     kernel(grid=(blocks, 1, 1), block=(THREADS_PER_BLOCK, 1, 1), args=[jobs, out, int(count)], stream=stream)
 
 
@@ -262,4 +315,4 @@ def sha256_many(messages: list[tuple[Any, bytes]], device: Any) -> list[bytes]:
     return [digest_bytes(words[i]) for i in range(n)]
 
 
-__all__ = ["HEAD_BYTES", "THREADS_PER_BLOCK", "available", "digest_bytes", "job_table", "launch", "message_latency", "sha256_many"]
+__all__ = ["HEAD_BYTES", "JOBS_PER_BLOCK", "THREADS_PER_BLOCK", "available", "digest_bytes", "job_table", "launch", "message_latency", "sha256_many"]
