@@ -23,14 +23,17 @@ control message where one is expected, or echo an unchecked field.
 from __future__ import annotations
 
 import re
+import socket
+import ssl
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from ..errors import KvpackError, ProtocolError
 from ..handoff import canonical_json as cj
 from ..handoff.control import MAX_PROMPT_TOKENS, ControlDecoder, ControlRequestV1, ControlResponse, encode_control
 from .common import read_control, readable
+from .local_api import Cancelled
 
 #: kvpack's delta cut: the upstream request V1 has no such field (errata L1)
 EXT_PREFIX_CUT = "kvpack_prefix_cut"
@@ -42,6 +45,8 @@ MAX_STRIPES = 16
 MAX_REQUEST_BYTES = MAX_PROMPT_TOKENS * 11 + (16 << 10)
 #: responses carry no token ids: a few KiB at most
 MAX_RESPONSE_BYTES = 64 << 10
+#: how often a wait for the producer's answer looks at the request's cancel token
+CANCEL_POLL_S = 0.1
 _ECHO_ID = re.compile(r"[A-Za-z0-9_.\-]{1,100}")
 
 
@@ -64,6 +69,52 @@ def split_extensions(raw: Any, accepted: tuple[str, ...]) -> tuple[Any, dict[str
     if EXT_STRIPES in ext and not 1 <= ext[EXT_STRIPES] <= MAX_STRIPES:
         raise ProtocolError("json", f"{EXT_STRIPES} must be in 1..{MAX_STRIPES}")
     return rest, ext
+
+
+def read_answer(channel, deadline: float, cancel: Optional[Callable[[], None]] = None) -> Any:
+    """One control answer by ``deadline`` (monotonic). With ``cancel`` (a callable that raises
+    once the request was cancelled), the wait looks at it at least every
+    :data:`CANCEL_POLL_S`: a busy producer may take its whole ``slot_wait_s`` to answer, and
+    a request whose client went away must free its decode slot at once, not then.
+
+    Each read waits at most one poll interval, straight on the verified ``SSLSocket`` (as
+    :func:`kvpack.node.transport.fill` does): the channel's wrapper reports a timeout before
+    the peer spoke as a refused connection, and a TLS 1.3 session ticket arriving after the
+    handshake makes the socket readable without any answer in it."""
+    if cancel is None or not isinstance(getattr(channel, "sock", None), ssl.SSLSocket):
+        return read_control(channel, deadline, ControlDecoder(MAX_RESPONSE_BYTES))
+    decoder = ControlDecoder(MAX_RESPONSE_BYTES)
+    pending = decoder.feed(b"")
+    buf = bytearray(1 << 16)
+    sock = channel.sock
+    try:
+        while not pending:
+            cancel()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("no control message before the deadline")
+            if channel.has_pending():
+                n = channel.recv_into(buf)
+            else:
+                sock.settimeout(max(0.001, min(left, CANCEL_POLL_S)))
+                try:
+                    n = sock.recv_into(buf)
+                except (socket.timeout, TimeoutError):
+                    continue
+                except ssl.SSLError as exc:
+                    raise channel.read_error(exc) from None
+                if n == 0:
+                    n = channel.recv_into(buf)  # the wrapper's verdict on this close
+                else:
+                    channel.peer_has_spoken = True
+            if n == 0:
+                raise ProtocolError("aborted", "control connection closed before a whole message")
+            pending = decoder.feed(bytes(buf[:n]))
+    finally:
+        channel.settimeout(None)
+    if len(pending) > 1:
+        raise ProtocolError("state", "more than one control message where one was expected")
+    return pending[0]
 
 
 class RequestRefused(ProtocolError):
@@ -98,14 +149,17 @@ class ControlSession:
             self.early = resp
         return self.early
 
-    def final(self, wait_s: float) -> Optional[ControlResponse]:
-        """The producer's last answer (telemetry only): a short wait, then give up."""
+    def final(self, wait_s: float, cancel: Optional[Callable[[], None]] = None) -> Optional[ControlResponse]:
+        """The producer's last answer (telemetry only): a short wait, then give up; a
+        cancelled request stops waiting (``cancel()`` raises)."""
         if self.early is not None:
             return self.early
         try:
-            raw = read_control(self.channel, time.monotonic() + wait_s, ControlDecoder(MAX_RESPONSE_BYTES))
+            raw = read_answer(self.channel, time.monotonic() + wait_s, cancel)
             resp = ControlResponse.from_json(raw)
             resp.validate_for(self.request_id)
+        except Cancelled:
+            raise
         except (KvpackError, TimeoutError, OSError):
             return None
         self.frames.append({"dir": "received", "type": resp.status, "bytes": len(encode_control(raw))})
@@ -122,8 +176,11 @@ class ControlClient:
         self.endpoint, self.context, self.host, self.port = endpoint, context, host, port
         self.accept_timeout_s = accept_timeout_s
 
-    def request(self, req: ControlRequestV1, extensions: dict[str, int], connect=None) -> ControlSession:
-        """Send ``req`` (plus ``extensions``) and read the producer's first answer."""
+    def request(self, req: ControlRequestV1, extensions: dict[str, int], connect=None, cancel: Optional[Callable[[], None]] = None) -> ControlSession:
+        """Send ``req`` (plus ``extensions``) and read the producer's first answer. A busy
+        producer may take its ``slot_wait_s`` to answer: ``cancel()`` (raises once the
+        request was cancelled) is polled meanwhile, and closing the connection tells the
+        producer to stop waiting too."""
         from ..security.tls import connect as tls_connect
 
         t0 = time.perf_counter()
@@ -135,7 +192,7 @@ class ControlClient:
             frame = encode_control(body)
             chan.sendall(frame)
             session.frames.append({"dir": "sent", "type": "request", "bytes": len(frame)})
-            raw = read_control(chan, time.monotonic() + self.accept_timeout_s, ControlDecoder(MAX_RESPONSE_BYTES))
+            raw = read_answer(chan, time.monotonic() + self.accept_timeout_s, cancel)
             resp = ControlResponse.from_json(raw)
             if resp.status == "failed" and resp.request_id != req.request_id:
                 # a producer that could not parse the request cannot echo its id; on this

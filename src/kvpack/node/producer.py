@@ -323,13 +323,36 @@ class ProducerNode:
         except (KvpackError, TimeoutError) as exc:
             self._refuse_request(ctl, frames, receipt, rid, *verdict_of(exc))
             return
-        if not self._slots.acquire(timeout=self.slot_wait_s):
+        got = self._await_slot(ctl)
+        if got is None:  # errata H2: the receiver spoke or left while it waited: no job
+            receipt.update(
+                verdict="refused", phase="request", reason="aborted", detail="the receiver went away while waiting for a prefill slot", request_id=rid
+            )
+            self.metrics.refusal("aborted")
+            return
+        if not got:
             self._refuse_request(ctl, frames, receipt, rid, "busy", f"all {self.prefill_slots} prefill slots busy for {self.slot_wait_s:g} s")
             return
         try:
             self._accepted_job(ctl, frames, receipt, req, ext, receiver)
         finally:
             self._slots.release()
+
+    def _await_slot(self, ctl) -> Optional[bool]:
+        """Take a prefill slot within ``slot_wait_s``: True, False (busy), or None when the
+        control connection became readable meanwhile (the receiver cancelled or went away:
+        no generation is taken, no data connection opened for a request nobody waits for)."""
+        end = time.monotonic() + self.slot_wait_s
+        while True:
+            if self._slots.acquire(timeout=max(0.0, min(0.1, end - time.monotonic()))):
+                if readable(ctl.sock):
+                    self._slots.release()
+                    return None
+                return True
+            if readable(ctl.sock):
+                return None
+            if time.monotonic() >= end:
+                return False
 
     def _accepted_job(self, ctl, frames: list, receipt: dict, req: ControlRequestV1, ext: dict, receiver) -> None:
         rid = req.request_id

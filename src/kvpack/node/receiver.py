@@ -667,14 +667,14 @@ class ReceiverNode:
         req = ControlRequestV1(rid, t0_ms + cfg.timeout_ms, tuple(tokens), cfg.advertised_receiver_host or "127.0.0.1", self.advertised_port)
         assert link.control is not None
         try:
-            ctl = link.control.request(req, ext)
+            ctl = link.control.request(req, ext, cancel=cancel.check)
         except BaseException as exc:
             pending.finish(error=exc)
             self.router.remove(pending)
             raise
         try:
             out = self.wait(pending, control=ctl)
-            final = ctl.final(self.committed_wait_s)
+            final = ctl.final(self.committed_wait_s, cancel.check)
         finally:
             ctl.close()
         out["control_s"] = round(ctl.control_s, 6)

@@ -1,0 +1,196 @@
+"""More attacker and operator cases for the node tier (issue 14), beyond the ones the issue
+lists, on loopback against real nodes (mutual TLS, the arrays engine):
+
+* a request cancelled while a busy producer has not answered ``accepted`` yet frees its
+  decode slot within 1 s, and the producer then takes no job for it (no generation, no data
+  connection, no ``unsolicited`` refusal at the receiver);
+* the transport's counts return to zero after connections that close right after accept,
+  reset mid-handshake, or trickle a ClientHello byte by byte, on IPv4 and IPv6, with and
+  without TLS fronts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import ssl
+import struct
+import tempfile
+import threading
+import time
+
+import pytest
+
+from kvpack.node.common import load_engine
+from kvpack.node.local_api import request_local
+from kvpack.node.producer import ProducerNode
+from kvpack.node.receiver import ReceiverNode
+from kvpack.node.transport import Limits
+from kvpack.security.tls import client_context
+
+from .helpers import Enrolled, receipts
+
+ENGINE = "arrays:4:2:8"
+
+
+def _prompt(i: int, n: int) -> list[int]:
+    return [(7 * i + 13 * k) % 60 + 1 for k in range(n)]
+
+
+def _wait(cond, timeout: float) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.01)
+    return cond()
+
+
+class Pair:
+    """One producer and one decode node, in process, on loopback."""
+
+    def __init__(self, root: str, *, prefill_slots: int = 4, pacing=None, decode_slots: int = 2, limits=None, tls_fronts=0, listen_host=None) -> None:
+        import dataclasses
+
+        self.root = root
+        self.engine = load_engine(ENGINE)
+        self.enrolled = Enrolled(os.path.join(root, "cluster"), self.engine)
+        self.pdir, self.rdir = os.path.join(root, "p"), os.path.join(root, "r")
+        self.producer = ProducerNode(
+            self.enrolled.producer_config(),
+            load_engine(ENGINE),
+            receipts_dir=self.pdir,
+            prefill_slots=prefill_slots,
+            pacing_bytes_per_s=pacing,
+            metrics_port=None,
+        ).start()
+        self.enrolled.producer_listening("prefill-a", self.producer.control_port)
+        self.socket = os.path.join(tempfile.mkdtemp(prefix="kvm-"), "r.sock")
+        cfg = self.enrolled.receiver_config()
+        if listen_host is not None:
+            cfg = dataclasses.replace(cfg, listen_host=listen_host, advertised_receiver_host=listen_host)
+        self.receiver = ReceiverNode(
+            cfg,
+            self.engine,
+            receipts_dir=self.rdir,
+            check_volume=False,
+            socket_path=self.socket,
+            decode_slots=decode_slots,
+            metrics_port=None,
+            limits=limits,
+            tls_fronts=tls_fronts,
+        ).start()
+
+    def stop(self) -> None:
+        self.receiver.stop()
+        self.producer.stop()
+
+
+@pytest.fixture
+def pair(tmp_path):
+    made: list[Pair] = []
+
+    def make(**kw) -> Pair:
+        p = Pair(str(tmp_path / f"n{len(made)}"), **kw)
+        made.append(p)
+        return p
+
+    yield make
+    for p in made:
+        p.stop()
+
+
+def test_a_request_cancelled_before_a_busy_producer_accepts_frees_its_slot_at_once(pair):
+    # one prefill slot, held by a slow (paced) job: the next request waits for "accepted"
+    # while the producer waits up to its slot_wait_s (10 s) for a slot
+    p = pair(prefill_slots=1, pacing=100_000, decode_slots=2)
+    first: dict = {}
+    t_first = threading.Thread(target=lambda: first.update(request_local(p.socket, {"tokens": _prompt(1, 1500), "max_new_tokens": 2}, timeout=120)))
+    t_first.start()
+    try:
+        assert _wait(lambda: p.producer._slots._value == 0, 10)  # the first job holds the prefill slot
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(p.socket)
+        s.sendall(json.dumps({"tokens": _prompt(2, 300), "max_new_tokens": 2}).encode() + b"\n")
+        assert _wait(lambda: p.receiver.slots.busy() == 2, 10)
+        time.sleep(0.5)  # the second request now waits for the producer's answer
+        assert p.producer._slots._value == 0 and t_first.is_alive()
+        s.close()
+        t_closed = time.monotonic()
+        assert _wait(lambda: p.receiver.slots.busy() == 1, 5)
+        assert time.monotonic() - t_closed < 1.0
+    finally:
+        t_first.join(timeout=120)
+    assert first.get("ok"), first
+    # the producer saw the receiver leave while it waited: no job, no generation, no data
+    # connection -- so the receiver refused nothing as unsolicited
+    assert _wait(lambda: any(r.get("detail", "").startswith("the receiver went away while waiting") for r in receipts(p.pdir)), 10)
+    assert p.producer.ledger.next == 2  # only the first job's generation was taken
+    assert not [r for r in receipts(p.rdir) if r["verdict"] == "refused"]
+    assert request_local(p.socket, {"tokens": _prompt(3, 300), "max_new_tokens": 2}, timeout=60)["ok"]
+
+
+def _client_hello(enrolled) -> bytes:
+    ep = enrolled.producer_config().data_endpoint("decode-a")
+    inc, out = ssl.MemoryBIO(), ssl.MemoryBIO()
+    obj = client_context(ep).wrap_bio(inc, out, server_hostname=ep.server_name)
+    try:
+        obj.do_handshake()
+    except ssl.SSLWantReadError:
+        pass
+    return out.read()
+
+
+@pytest.mark.parametrize("host,fronts", [("127.0.0.1", 0), ("127.0.0.1", 2), ("::1", 0)])
+def test_connections_that_vanish_or_trickle_a_client_hello_leave_no_count_behind(pair, host, fronts):
+    if host == "::1" and not socket.has_ipv6:
+        pytest.skip("no IPv6")
+    p = pair(limits=Limits(handshake_s=1.0), tls_fronts=fronts, listen_host=host)
+    port = p.receiver.data_port
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    hello = _client_hello(p.enrolled)
+    rst = struct.pack("ii", 1, 0)
+
+    def conn() -> socket.socket:
+        s = socket.socket(family, socket.SOCK_STREAM)
+        s.connect((host, port))
+        return s
+
+    for _ in range(30):
+        conn().close()  # gone right after accept
+    for cut in (1, 100, len(hello)):
+        for _ in range(10):  # reset mid-handshake: part of a ClientHello, then RST
+            s = conn()
+            s.sendall(hello[:cut])
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, rst)
+            s.close()
+
+    def trickle() -> None:
+        s = conn()
+        try:
+            for b in hello[:40]:  # one byte every 50 ms: past the 1 s handshake deadline
+                s.send(bytes([b]))
+                time.sleep(0.05)
+        except OSError:
+            pass
+        finally:
+            s.close()
+
+    threads = [threading.Thread(target=trickle) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    listener = p.receiver.listener
+
+    def settled() -> bool:
+        snap = listener.snapshot()
+        return snap["connections"] == 0 and snap["handshakes"] == 0 and snap["authenticated"] == 0
+
+    assert _wait(settled, 10), listener.snapshot()
+    snap = listener.snapshot()
+    assert snap["accepted_total"] == 30 + 30 + 4 and snap["refused_total"] == snap["accepted_total"], snap
+    assert snap["refusals"].get("handshake_timeout", 0) == 4, snap["refusals"]
+    # and nothing of it reached a request: the node serves at once
+    assert request_local(p.socket, {"tokens": _prompt(4, 300), "max_new_tokens": 2}, timeout=60)["ok"]
