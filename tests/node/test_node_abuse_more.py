@@ -6,7 +6,9 @@ lists, on loopback against real nodes (mutual TLS, the arrays engine):
   connection, no ``unsolicited`` refusal at the receiver);
 * the transport's counts return to zero after connections that close right after accept,
   reset mid-handshake, or trickle a ClientHello byte by byte, on IPv4 and IPv6, with and
-  without TLS fronts.
+  without TLS fronts;
+* a damaged generation ledger is one typed ``ledger`` line before the model loads (it was an
+  ``internal`` error, "a bug", exit 70) and leaves no lock behind.
 """
 
 from __future__ import annotations
@@ -194,3 +196,34 @@ def test_connections_that_vanish_or_trickle_a_client_hello_leave_no_count_behind
     assert snap["refusals"].get("handshake_timeout", 0) == 4, snap["refusals"]
     # and nothing of it reached a request: the node serves at once
     assert request_local(p.socket, {"tokens": _prompt(4, 300), "max_new_tokens": 2}, timeout=60)["ok"]
+
+
+@pytest.mark.parametrize("content", [b"garbage", b"\xff\xfe\x00", b'{"next_gen', b'{"next_generation": 0}', b"[]"])
+def test_a_damaged_generation_ledger_is_one_ledger_line_before_the_model_loads(tmp_path, monkeypatch, capsys, content):
+    """In process: the engine loader must never be reached, and the refusal leaves no lock."""
+    from kvpack import cli
+    from kvpack.node import common
+    from kvpack.node.producer import GenerationLedger
+
+    enrolled = Enrolled(str(tmp_path / "cluster"), load_engine(ENGINE))
+    path = enrolled.producer_config().generation_ledger
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "wb") as fh:
+        fh.write(content)
+    os.chmod(path, 0o600)
+
+    def never(*_a, **_k):
+        raise AssertionError("the engine was loaded before the generation ledger was checked")
+
+    monkeypatch.setattr(common, "load_engine", never)
+    code = cli.main(["producer", "--config", enrolled.producer_config_path(), "--engine", ENGINE, "--no-store", "--no-metrics"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and len(err) == 1 and err[0].startswith("kvpack: ledger: generation ledger "), (code, err)
+    # repaired, it opens at once: the refused start left no lock behind
+    with open(path, "wb") as fh:
+        fh.write(b'{"next_generation": 7}\n')
+    ledger = GenerationLedger(path)
+    try:
+        assert ledger.next == 7
+    finally:
+        ledger.close()

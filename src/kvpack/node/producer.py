@@ -94,20 +94,33 @@ class GenerationLedger:
             self._lock.acquire()
         except LockHeld:
             raise SecurityError("locked", f"generation ledger {self.path!r} is held by another producer") from None
-        if os.path.exists(self.path):
-            st = os.lstat(self.path)
-            if not os.path.isfile(self.path) or os.path.islink(self.path) or st.st_mode & 0o077:
-                raise SecurityError("ledger", f"generation ledger {self.path!r} must be a regular 0600 file")
+        try:
+            self.next = self._load()
+        except BaseException:
+            self._lock.release()  # a refused ledger leaves no lock behind
+            raise
+        self._mutex = threading.Lock()
+
+    def _load(self) -> int:
+        """The next generation the file holds (1 and a new file when there is none), or a
+        typed ``ledger`` refusal: never a traceback for a damaged file."""
+        if not os.path.exists(self.path):
+            self._persist(1)
+            return 1
+        st = os.lstat(self.path)
+        if not os.path.isfile(self.path) or os.path.islink(self.path) or st.st_mode & 0o077:
+            raise SecurityError("ledger", f"generation ledger {self.path!r} must be a regular 0600 file")
+        try:
             with open(self.path, "rb") as fh:
                 obj = json.loads(fh.read(4096))
-            n = obj.get("next_generation") if isinstance(obj, dict) and set(obj) == {"next_generation"} else None
-            if type(n) is not int or n < 1:
-                raise SecurityError("ledger", f"generation ledger {self.path!r} is malformed")
-            self.next = n
-        else:
-            self.next = 1
-            self._persist(1)
-        self._mutex = threading.Lock()
+        except (ValueError, UnicodeDecodeError) as exc:  # truncated, garbage or not UTF-8
+            raise SecurityError("ledger", f"generation ledger {self.path!r} is not valid ledger JSON: {exc}") from None
+        except OSError as exc:
+            raise SecurityError("ledger", f"generation ledger {self.path!r} cannot be read: {exc.strerror or exc}") from None
+        n = obj.get("next_generation") if isinstance(obj, dict) and set(obj) == {"next_generation"} else None
+        if type(n) is not int or n < 1:
+            raise SecurityError("ledger", f"generation ledger {self.path!r} is malformed")
+        return n
 
     def _persist(self, n: int) -> None:
         body = json.dumps({"next_generation": n}, sort_keys=True).encode() + b"\n"
