@@ -84,12 +84,17 @@ def reject_constant(name: str) -> NoReturn:
 def strict_json_loads(data: bytes | bytearray | memoryview | str) -> Any:
     """Parse JSON, refusing invalid UTF-8, duplicate keys and NaN/Infinity.
 
-    Raises :class:`StrictJsonError` (a ``ValueError``) for every refusal."""
+    Raises :class:`StrictJsonError` (a ``ValueError``) for every refusal -- nesting deeper
+    than the interpreter's recursion limit too (``[[[...`` of a few KiB), which ``json.loads``
+    reports as ``RecursionError``: callers catch ``ValueError``, and an uncaught one killed
+    the local API's request thread without a reply."""
     try:
         text = data if isinstance(data, str) else bytes(data).decode("utf-8")
         return json.loads(text, object_pairs_hook=reject_duplicate_keys, parse_constant=reject_constant)
     except StrictJsonError:
         raise
+    except RecursionError:
+        raise StrictJsonError("JSON nested too deeply") from None
     except (UnicodeDecodeError, ValueError) as exc:  # JSONDecodeError is a ValueError
         raise StrictJsonError(str(exc)) from None
 

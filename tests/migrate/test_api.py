@@ -219,3 +219,14 @@ def test_openapi_schemathesis_no_server_errors(node):
     assert count >= 100
     assert not errors, errors[:5]
     assert "Traceback" not in node.log.read_text() and "unhandled" not in node.log.read_text()
+
+
+def test_a_body_nested_past_the_recursion_limit_is_a_400_not_a_500(node):
+    """``[[[...`` of a few KiB (under the body cap) made json.loads raise RecursionError,
+    which the JSON routes did not map: 500 and a logged traceback instead of a refusal."""
+    c = node.client
+    for body in (b"[" * 50_000 + b"]" * 50_000, b'{"prompt_token_ids": ' + b'{"a":' * 20_000 + b"1" + b"}" * 20_001):
+        r = c.post("/v1/sessions", content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", (r.status_code, r.text[:300])
+        assert "nested too deeply" in r.json()["error"]["message"]
+    assert c.get(f"/v1/sessions/{SID}").status_code == 200  # and the node serves on

@@ -8,7 +8,9 @@ lists, on loopback against real nodes (mutual TLS, the arrays engine):
   reset mid-handshake, or trickle a ClientHello byte by byte, on IPv4 and IPv6, with and
   without TLS fronts;
 * a damaged generation ledger is one typed ``ledger`` line before the model loads (it was an
-  ``internal`` error, "a bug", exit 70) and leaves no lock behind.
+  ``internal`` error, "a bug", exit 70) and leaves no lock behind;
+* a local API request nested past the recursion limit gets its one-line ``usage`` refusal
+  (its thread died with a traceback and the client got no reply).
 """
 
 from __future__ import annotations
@@ -198,7 +200,11 @@ def test_connections_that_vanish_or_trickle_a_client_hello_leave_no_count_behind
     assert request_local(p.socket, {"tokens": _prompt(4, 300), "max_new_tokens": 2}, timeout=60)["ok"]
 
 
-@pytest.mark.parametrize("content", [b"garbage", b"\xff\xfe\x00", b'{"next_gen', b'{"next_generation": 0}', b"[]"])
+@pytest.mark.parametrize(
+    "content",
+    [b"garbage", b"\xff\xfe\x00", b'{"next_gen', b'{"next_generation": 0}', b"[]", b"[" * 4000],
+    ids=["garbage", "not-utf8", "truncated", "zero", "list", "nested"],
+)
 def test_a_damaged_generation_ledger_is_one_ledger_line_before_the_model_loads(tmp_path, monkeypatch, capsys, content):
     """In process: the engine loader must never be reached, and the refusal leaves no lock."""
     from kvpack import cli
@@ -227,3 +233,25 @@ def test_a_damaged_generation_ledger_is_one_ledger_line_before_the_model_loads(t
         assert ledger.next == 7
     finally:
         ledger.close()
+
+
+def test_a_request_nested_past_the_recursion_limit_gets_its_one_line_refusal(pair):
+    p = pair(decode_slots=1)
+
+    def ask(data: bytes) -> bytes:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(10)
+            s.connect(p.socket)
+            s.sendall(data)
+            out = b""
+            while not out.endswith(b"\n"):
+                chunk = s.recv(65536)
+                if not chunk:
+                    break
+                out += chunk
+            return out
+
+    for line in (b'{"tokens": ' + b"[" * 100_000 + b"]" * 100_000 + b"}\n", b'{"tokens": [1, 2], "x": ' + b'{"a":' * 50_000 + b"1" + b"}" * 50_001 + b"\n"):
+        reply = json.loads(ask(line))
+        assert reply["ok"] is False and reply["error"] == {"reason": "usage", "detail": "a local API request is one JSON object: JSON nested too deeply"}, reply
+    assert json.loads(ask(json.dumps({"tokens": _prompt(5, 300), "max_new_tokens": 1}).encode() + b"\n"))["ok"]

@@ -361,6 +361,10 @@ class LocalApi:
                 except KvpackError as exc:
                     self._reply(conn, {"ok": False, "error": {"reason": exc.category, "detail": exc.message}})
                     return
+                except Exception as exc:  # noqa: BLE001 - a bug here still answers its one line
+                    log.exception("local API: reading a request failed")
+                    self._reply(conn, {"ok": False, "error": {"reason": "internal", "detail": f"{type(exc).__name__}: {exc}"[:500]}})
+                    return
                 with self._lock:
                     self._tokens.add(token)
                 self._watcher.watch(conn, token)

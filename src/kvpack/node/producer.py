@@ -61,7 +61,7 @@ from ..handoff.sender import Sender
 from ..security.config import ProducerConfig
 from ..security.secret_files import load_hmac_key
 from ..security.tls import client_context, connect, server_context
-from ..vocab import FileLock, LockHeld, align_tokens_down, is_token_aligned
+from ..vocab import FileLock, LockHeld, align_tokens_down, is_token_aligned, strict_json_loads
 from .common import chunk_tokens, hash_workers, now_ms, read_control, readable, verdict_of
 from .control import EXT_PREFIX_CUT, EXT_STRIPES, EXTENSIONS, MAX_REQUEST_BYTES, echo_id, split_extensions
 from .ladder import ResidentRadix, RowsSource, window_covers
@@ -112,8 +112,8 @@ class GenerationLedger:
             raise SecurityError("ledger", f"generation ledger {self.path!r} must be a regular 0600 file")
         try:
             with open(self.path, "rb") as fh:
-                obj = json.loads(fh.read(4096))
-        except (ValueError, UnicodeDecodeError) as exc:  # truncated, garbage or not UTF-8
+                obj = strict_json_loads(fh.read(4096))
+        except ValueError as exc:  # truncated, garbage, not UTF-8 or nested too deeply
             raise SecurityError("ledger", f"generation ledger {self.path!r} is not valid ledger JSON: {exc}") from None
         except OSError as exc:
             raise SecurityError("ledger", f"generation ledger {self.path!r} cannot be read: {exc.strerror or exc}") from None
