@@ -88,6 +88,8 @@ class _Checker:
         self.read_data = read_data
         self.chunks_checked = 0
         self.verdicts: dict[tuple[bytes, bytes], dict | None] = {}  # (content id, digest) -> problem
+        #: (content id, digest) of every chunk reference that failed, with its problem
+        self.bad: dict[tuple[bytes, bytes], dict] = {}
         self.sizes: dict[str, int] | None = None if read_data else {i.name: i.size for i in store.env.list("chunks/")}
 
     def cut(self, node: bytes, mid: bytes) -> list[dict]:
@@ -135,6 +137,8 @@ class _Checker:
             verdict = self._read_chunk(manifest, key, span, ref, name)
         self.chunks_checked += 1
         self.verdicts[seen] = verdict
+        if verdict is not None:
+            self.bad[seen] = verdict
         return verdict
 
     def _read_chunk(self, manifest: Manifest, key: Any, span: Any, ref: ChunkRef, name: str) -> dict | None:
@@ -220,9 +224,60 @@ def quarantine_after_refusal(store: PackStore, hit: Hit, exc: StoreError) -> dic
     except StoreError:
         pass  # a malformed entry is quarantined below like any other bad one
     with store.env.lease(RESTORE, protects=[hit.manifest_id.hex()]):
-        problems = _Checker(store, read_data=True).cut(hit.node_id, hit.manifest_id)
+        checker = _Checker(store, read_data=True)
+        problems = checker.cut(hit.node_id, hit.manifest_id)
     refusal = {"object": None, "problem": f"restore refused {exc.category}: {exc.message}", "remove": False}
-    return quarantine(store, hit.node_id, hit.manifest_id, [refusal, *problems], by="restore")
+    receipt = quarantine(store, hit.node_id, hit.manifest_id, [refusal, *problems], by="restore")
+    receipt["ancestors"] = _quarantine_ancestors(store, hit.manifest_id, checker)
+    return receipt
+
+
+def quarantine_incomplete(store: PackStore, node: bytes, mid: bytes) -> dict | None:
+    """Quarantine the entry at ``node`` if it still names ``mid`` and that cut's pack or
+    final-logits object is missing (``find_deepest`` skips such entries); None otherwise."""
+    try:
+        if store._read_index(node) != mid:
+            return None
+    except StoreError:
+        return None
+    missing = [name for name in (pack_name(mid), logits_name(mid)) if not store.env.exists(name)]
+    if not missing:
+        return None  # complete after all (republished meanwhile)
+    problems = [{"object": None, "problem": f"cut {mid.hex()}: incomplete: {name} is missing", "remove": False} for name in missing]
+    return quarantine(store, node, mid, problems, by="restore")
+
+
+def _quarantine_ancestors(store: PackStore, mid: bytes, checker: _Checker) -> list[dict]:
+    """Quarantine the cuts below ``mid`` in its delta chain that reference a chunk the check
+    found bad (a damaged chunk of a parent is damage of the parent's own cut too). Without
+    this the next shallower cut was tried only on the next lookup attempt -- and, past
+    ``max_attempts``, left indexed, so the republication built its delta on that very parent
+    and published a cut that failed again (the damaged object had just been removed).
+    Returns their receipts."""
+    if not checker.bad:
+        return []
+    try:
+        chain = store.load_chain(mid)
+    except StoreError:
+        return []
+    receipts = []
+    below: set[tuple[bytes, bytes]] = set()
+    refs_below = []
+    for manifest in reversed(chain[1:]):  # from the full cut up: a cut is bad if its chain is
+        below.update((ref.content_id, ref.object_digest) for _k, _s, ref in manifest.chunk_refs())
+        refs_below.append((manifest, sorted(below & checker.bad.keys())))
+    for manifest, bad in reversed(refs_below):
+        if not bad:
+            continue
+        node, amid = manifest.cut.token_root, manifest.manifest_id()
+        try:
+            if store._read_index(node) != amid:
+                continue  # not indexed any more (forgotten, replaced, quarantined)
+        except StoreError:
+            continue  # malformed: repair drops it
+        problems = [{"object": None, "problem": f"delta parent of quarantined cut {mid.hex()}: {checker.bad[key]['problem']}", "remove": False} for key in bad]
+        receipts.append(quarantine(store, node, amid, problems, by="restore"))
+    return receipts
 
 
 def repair(store: PackStore) -> dict:

@@ -359,24 +359,30 @@ class PackStore:
         aux: Sequence[tuple[bytes, bytes]] = (),
         *,
         require_logits: bool = True,
+        incomplete: list[tuple[bytes, bytes]] | None = None,
     ) -> Hit | None:
         """The deepest committed cut reusable for ``tokens`` under this exact identity:
         a 256-aligned prefix, or the whole token sequence. ``None`` is a miss.
 
         ``require_logits=False`` also offers *prefix cuts* (saved with ``prefix_only``: no
-        final-logits row, installable only as a prefix that the engine extends)."""
+        final-logits row, installable only as a prefix that the engine extends).
+        ``incomplete``: gets ``(node id, manifest id)`` of each deeper entry skipped because
+        its cut's pack or logits object is missing (:meth:`lookup_restore` quarantines them)."""
         if not tokens:
             return None
         ctx = self.context(layout, ids, aux)
         chain = self._chain(ctx, tokens)
         nodes = [node for node in reversed(chain.nodes) if node.reusable or node.cumulative_count == len(tokens)]
         for node, mid in self._index_deepest_first(nodes):
-            if isinstance(mid, StoreError):
+            if isinstance(mid, StoreError) or mid is None:
                 continue  # a malformed entry is not a hit (repair drops it)
-            if mid is not None and self._complete(mid):
-                if require_logits and self._is_prefix_cut(mid):
-                    continue
-                return Hit(mid, node.cumulative_count, node.node_id)
+            if not self._complete(mid):
+                if incomplete is not None:
+                    incomplete.append((node.node_id, mid))
+                continue
+            if require_logits and self._is_prefix_cut(mid):
+                continue
+            return Hit(mid, node.cumulative_count, node.node_id)
         return None
 
     def _is_prefix_cut(self, mid: bytes) -> bool:
@@ -582,7 +588,14 @@ class PackStore:
         quarantined: list[dict] = []
         withdrawn = 0
         for _ in range(max_attempts):
-            hit = self.find_deepest(tokens, layout, ids, aux, require_logits=require_logits)
+            incomplete: list[tuple[bytes, bytes]] = []
+            hit = self.find_deepest(tokens, layout, ids, aux, require_logits=require_logits, incomplete=incomplete)
+            if incomplete:
+                from .maintenance import quarantine_incomplete
+
+                # an entry naming a cut whose pack or logits object is gone is damage (the
+                # index entry is written last), not only a miss: take it out with a receipt
+                quarantined.extend(r for node, mid in incomplete if (r := quarantine_incomplete(self, node, mid)) is not None)
             if hit is None:
                 break
             report, receipt, was_withdrawn = self._restore_healing(hit, session, tokens, aux=aux, require_logits=require_logits)
@@ -594,6 +607,7 @@ class PackStore:
             if receipt is None:
                 break  # a plain miss (identity, a prefix cut)
             quarantined.append(receipt)
+            quarantined.extend(receipt.get("ancestors", ()))  # parents sharing its damage
         return Lookup(None, None, quarantined, withdrawn)
 
     def ls(self) -> list[dict]:

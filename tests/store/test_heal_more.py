@@ -1,0 +1,152 @@
+"""More ways a stored cut goes bad, tried as a user and an operator would (issue 16's
+checks, beyond test_heal.py): each damage is found by ``verify --read-data``, is a miss for
+``generate`` that is quarantined with a receipt, recomputed to the same tokens and
+republished (the next run reuses the whole prompt); ``repair`` leaves a store that verifies
+clean and a second ``repair`` changes nothing. Both backends (a directory and a real
+SeaweedFS bucket prefix)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from kvpack.generate import generate
+
+from .helpers import TOKENS, PosixBackend, S3Backend, engine, flip, names, session_with
+
+KVPACK = [sys.executable, "-m", "kvpack.cli"]
+
+
+def _backend(request, where: str):
+    return S3Backend(request.getfixturevalue("seaweed")) if where == "s3" else PosixBackend()
+
+
+def _engine():
+    eng = engine()
+    eng.tokenizer = None  # kvpack.generate decodes no text for the NumPy adapter
+    return eng
+
+
+def _top_only_chunk(store, mid: bytes) -> tuple[str, int]:
+    """A layer-0 chunk only the top pack of the cut references, and its object size."""
+    chain = store.load_chain(mid)
+    below = {ref.content_id for m in chain[1:] for _k, _s, ref in m.chunk_refs()}
+    ref = next(r for k, _s, r in chain[0].chunk_refs() if k.layer == 0 and r.content_id not in below)
+    return f"chunks/{ref.content_id.hex()}.kvchk", ref.object_bytes
+
+
+def _damage(store, eng, kind: str, server=None) -> None:
+    top = store.find_deepest(TOKENS, eng.layout, eng.ids())
+    assert top.cut == len(TOKENS)
+    mid, env = top.manifest_id, store.env
+    chain = store.load_chain(mid)
+    if kind == "truncated_chunk":
+        name, _size = _top_only_chunk(store, mid)
+        env.write(name, env.read(name)[:3000])
+    elif kind == "zero_length_chunk":
+        name = _top_only_chunk(store, mid)[0]
+        if server is None:
+            env.write(name, b"")
+        else:
+            # through a client of its own: SeaweedFS stalls the next PUT on the connection of
+            # an empty PUT for the read timeout (30 s); kvpack itself never PUTs an empty body
+            server.client().put_object(Bucket=env.bucket, Key=env.key(name), Body=b"")
+    elif kind == "chunk_swapped_same_size":
+        name, size = _top_only_chunk(store, mid)
+        other = next(i.name for i in env.list("chunks/") if i.name != name and i.size == size)
+        env.write(name, env.read(other))  # another valid chunk object, same size
+    elif kind == "corrupt_logits":
+        flip(store, f"logits/{mid.hex()}.kvchk", 300)
+    elif kind == "logits_of_another_cut":
+        other = store.find_deepest(TOKENS[:1024], eng.layout, eng.ids()).manifest_id
+        env.write(f"logits/{mid.hex()}.kvchk", env.read(f"logits/{other.hex()}.kvchk"))
+    elif kind == "truncated_pack":
+        name = f"packs/{mid.hex()}.kvpkp"
+        env.write(name, env.read(name)[:500])
+    elif kind == "missing_pack":
+        env.delete(f"packs/{mid.hex()}.kvpkp")
+    elif kind == "missing_logits":
+        env.delete(f"logits/{mid.hex()}.kvchk")
+    elif kind == "index_to_missing_pack":
+        env.write(f"index/{top.node_id.hex()}", b"ab" * 32 + b"\n")
+    elif kind == "parent_pack_missing":
+        env.delete(f"packs/{chain[1].manifest_id().hex()}.kvpkp")
+    elif kind == "parent_pack_corrupt":
+        flip(store, f"packs/{chain[1].manifest_id().hex()}.kvpkp", 150)
+    elif kind == "root_chunk_flipped":
+        # a chunk of the full cut at the bottom of the chain: every delta above shares it
+        ref = next(r for k, _s, r in chain[-1].chunk_refs() if k.layer == 0)
+        flip(store, f"chunks/{ref.content_id.hex()}.kvchk", 4096 + 16 + 50)
+    else:
+        raise AssertionError(kind)
+
+
+KINDS = [
+    "truncated_chunk",
+    "zero_length_chunk",
+    "chunk_swapped_same_size",
+    "corrupt_logits",
+    "logits_of_another_cut",
+    "truncated_pack",
+    "missing_pack",
+    "missing_logits",
+    "index_to_missing_pack",
+    "parent_pack_missing",
+    "parent_pack_corrupt",
+    "root_chunk_flipped",
+]
+
+
+#: every kind on a directory; on S3 the kinds that take other paths there (an empty object
+#: is a 416 to a ranged GET; missing objects are 404s; a parent shared by the whole chain)
+CASES = [("posix", kind) for kind in KINDS] + [
+    ("s3", kind) for kind in ("zero_length_chunk", "chunk_swapped_same_size", "missing_pack", "index_to_missing_pack", "root_chunk_flipped")
+]
+
+
+def _published(request, where, tmp_path):
+    backend = _backend(request, where)
+    store = backend.new(tmp_path)
+    eng = _engine()
+    session_with(eng, TOKENS, store)  # cuts 256, 512, 768, 1024, 1200 (a delta chain)
+    return store, eng, getattr(backend, "server", None)
+
+
+@pytest.mark.parametrize("where,kind", CASES)
+def test_generate_quarantines_recomputes_and_republishes(request, tmp_path, where, kind):
+    store, eng, server = _published(request, where, tmp_path)
+    expected = generate(eng, None, TOKENS, max_new_tokens=3).tokens
+    _damage(store, eng, kind, server)
+    assert not store.verify(read_data=True)["ok"]
+    second = generate(eng, store, TOKENS, max_new_tokens=3)
+    assert second.tokens == expected and second.reused_tokens < len(TOKENS)
+    assert second.quarantined, "a damaged cut must be quarantined with a receipt, not only skipped"
+    receipts = names(store, "quarantine/")
+    assert sorted(r["receipt"] for r in second.quarantined) == receipts
+    assert all(json.loads(store.env.read(r))["manifest_id"] for r in receipts)
+    # republished: the store verifies clean and the next run reuses the whole prompt
+    assert store.verify(read_data=True)["ok"], store.verify(read_data=True)["problems"][:2]
+    third = generate(eng, store, TOKENS, max_new_tokens=3)
+    assert third.tokens == expected and third.reused_tokens == len(TOKENS) and not third.quarantined
+
+
+def _everything(store) -> dict[str, bytes]:
+    return {i.name: store.env.read(i.name) for i in store.env.list("") if not i.name.startswith(("leases/", "gc.epoch")) and i.name != "lock"}
+
+
+@pytest.mark.parametrize("where,kind", CASES)
+def test_repair_verifies_clean_and_is_idempotent(request, tmp_path, where, kind):
+    store, eng, server = _published(request, where, tmp_path)
+    _damage(store, eng, kind, server)
+    first = store.repair()
+    assert first["quarantined"] >= 1
+    assert store.verify(read_data=True)["ok"] and store.verify(read_data=False)["ok"]
+    before = _everything(store)
+    second = store.repair()
+    assert second["quarantined"] == 0 and second["receipts"] == []
+    assert _everything(store) == before  # a second repair changes nothing
+    store.gc()
+    assert store.verify(read_data=True)["ok"]
+    assert store.repair()["quarantined"] == 0
