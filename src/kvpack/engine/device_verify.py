@@ -21,8 +21,8 @@ header, whichever is larger), a job table with two rows per object, and a hash s
 
 Waves are spread over at most :data:`MAX_STREAMS` streams (CUDA maps streams onto 8
 hardware queues by default; more would only add false dependencies), so a wave hashes while
-later waves are read and uploaded. The kernel's time is set by the longest message, one
-chunk object per GPU thread: the store's chunk size is the restore's per-wave latency, and
+later waves are read and uploaded. The kernel's time is set by the longest message (each
+message is hashed by one lane, see :mod:`.gpu_digest`): the store's chunk size is the restore's per-wave latency, and
 the number of messages in flight is its hashing throughput.
 
 On a CPU device (the CI tests) the same class runs with host tensors, no streams, and the
