@@ -10,7 +10,9 @@ lists, on loopback against real nodes (mutual TLS, the arrays engine):
 * a damaged generation ledger is one typed ``ledger`` line before the model loads (it was an
   ``internal`` error, "a bug", exit 70) and leaves no lock behind;
 * a local API request nested past the recursion limit gets its one-line ``usage`` refusal
-  (its thread died with a traceback and the client got no reply).
+  (its thread died with a traceback and the client got no reply);
+* a request waiting for a busy named (received) session stops waiting within 1 s once its
+  client hangs up (it waited for the other request to finish), and the session is untouched.
 """
 
 from __future__ import annotations
@@ -54,7 +56,9 @@ def _wait(cond, timeout: float) -> bool:
 class Pair:
     """One producer and one decode node, in process, on loopback."""
 
-    def __init__(self, root: str, *, prefill_slots: int = 4, pacing=None, decode_slots: int = 2, limits=None, tls_fronts=0, listen_host=None) -> None:
+    def __init__(
+        self, root: str, *, prefill_slots: int = 4, pacing=None, decode_slots: int = 2, limits=None, tls_fronts=0, listen_host=None, api_limits=None
+    ) -> None:
         import dataclasses
 
         self.root = root
@@ -84,6 +88,7 @@ class Pair:
             metrics_port=None,
             limits=limits,
             tls_fronts=tls_fronts,
+            api_limits=api_limits,
         ).start()
 
     def stop(self) -> None:
@@ -255,3 +260,37 @@ def test_a_request_nested_past_the_recursion_limit_gets_its_one_line_refusal(pai
         reply = json.loads(ask(line))
         assert reply["ok"] is False and reply["error"] == {"reason": "usage", "detail": "a local API request is one JSON object: JSON nested too deeply"}, reply
     assert json.loads(ask(json.dumps({"tokens": _prompt(5, 300), "max_new_tokens": 1}).encode() + b"\n"))["ok"]
+
+
+def test_a_request_cancelled_while_waiting_for_a_busy_named_session_leaves_it_untouched(pair):
+    """A named session (where an unsolicited transfer landed) serves one request at a time. A
+    second request waiting for it whose client hangs up must stop waiting at once and must
+    not extend the session with its prompt when the first one is done."""
+    from kvpack.node.local_api import ApiLimits
+
+    p = pair(decode_slots=1, api_limits=ApiLimits(max_new_tokens=200_000))
+    node = p.receiver
+    held = _prompt(6, 300)
+    session = p.engine.new_session()
+    session.prefill(held[:-1])
+    node.sessions.put("landed-1", session)
+    first: dict = {}
+    long_run = {"session": "landed-1", "tokens": held, "max_new_tokens": 200_000, "stop_at_eos": False}
+    s1 = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s1.connect(p.socket)
+    s1.sendall(json.dumps(long_run).encode() + b"\n")
+    assert _wait(lambda: session.position > len(held), 10)  # the first request decodes
+    s2 = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s2.connect(p.socket)
+    s2.sendall(json.dumps({"session": "landed-1", "tokens": held + [7, 8, 9], "max_new_tokens": 1}).encode() + b"\n")
+    time.sleep(0.3)
+    s2.close()  # the second client leaves while it waits for the session
+    t_closed = time.monotonic()
+    assert _wait(lambda: len(node.api._tokens) == 1, 5), "the cancelled request kept waiting for the session"
+    assert time.monotonic() - t_closed < 1.0
+    s1.close()  # now cancel the first one too: its decode stops between two steps
+    assert _wait(lambda: not node.api._tokens, 5)
+    tokens = list(session.tokens)
+    assert tokens[: len(held)] == held and len(tokens) - len(held) < 200_000  # part of the first run
+    first.update(request_local(p.socket, {"session": "landed-1", "tokens": tokens + [5], "max_new_tokens": 1}, timeout=30))
+    assert first.get("ok"), first  # the session is exactly the first request's: it continues

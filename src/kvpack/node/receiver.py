@@ -57,7 +57,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
-from ..errors import EngineError, KvpackError, ProtocolError, SecurityError, UsageError
+from ..errors import EngineError, KvpackError, NetworkError, ProtocolError, SecurityError, UsageError
 from ..handoff.control import MAX_PROMPT_TOKENS, ControlRequestV1
 from ..handoff.delta import ReuseAction
 from ..security.config import ReceiverConfig
@@ -808,7 +808,15 @@ class ReceiverNode:
         the producer held back, unless the session already decoded) is computed here."""
         tokens = [int(t) for t in tokens]
         session, lock = self.sessions.get(name)
-        with lock:
+        # one request at a time per named session: the wait has the decode slots' deadline
+        # and stops as soon as the request is cancelled (its client went away)
+        end = time.monotonic() + self.slot_wait_s
+        while not lock.acquire(timeout=0.1):
+            cancel.check()
+            if time.monotonic() >= end:
+                raise NetworkError("timeout", f"session {name!r} stayed busy for {self.slot_wait_s:g} s; retry later")
+        try:
+            cancel.check()
             t_start = time.perf_counter()
             held = list(session.tokens)
             if tokens[: len(held)] != held:
@@ -836,6 +844,8 @@ class ReceiverNode:
                 "local_prefill_tokens": len(rest),
                 "session_position": session.position,
             }
+        finally:
+            lock.release()
 
     def _settle_durable(self, slot: Slot, plan: Plan, tokens: list[int], result: dict) -> Plan:
         """Restore a durable plan's cut up front: a cut failing verification is quarantined
