@@ -8,11 +8,14 @@ SeaweedFS bucket prefix)."""
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 
 import pytest
 
+from kvpack.errors import StoreError
 from kvpack.generate import generate
+from kvpack.store import PackStore
 
 from .helpers import TOKENS, PosixBackend, S3Backend, engine, flip, names, session_with
 
@@ -150,3 +153,83 @@ def test_repair_verifies_clean_and_is_idempotent(request, tmp_path, where, kind)
     store.gc()
     assert store.verify(read_data=True)["ok"]
     assert store.repair()["quarantined"] == 0
+
+
+def _kvpack(*args, env=None):
+    return subprocess.run([*KVPACK, *args], capture_output=True, text=True, timeout=120, env=env)
+
+
+@pytest.mark.parametrize("where", ["posix", "s3"])
+def test_a_store_that_lost_its_store_json_is_refused_not_reinitialised(request, tmp_path, where):
+    """An encrypted store whose store.json is gone: open says so (not 'run kvpack store
+    init'), and init -- which ``kvpack generate`` runs on a location without store.json --
+    refuses instead of writing a new plain store.json over the encrypted objects."""
+    backend = _backend(request, where)
+    store = backend.new(tmp_path, encrypted=True)
+    eng = _engine()
+    session_with(eng, TOKENS[:600], store)
+    store.env.delete("store.json")
+    before = _everything(store)
+    with pytest.raises(StoreError) as opened:
+        backend.reopen(store)
+    assert opened.value.category == "corrupt" and "no store.json" in opened.value.message
+    with pytest.raises(StoreError) as init:
+        PackStore.init(backend.env(store.path) if where == "s3" else store.path, root_key_file=backend.keys.get(store.path) if where == "s3" else None)
+    assert init.value.category == "usage" and "no store.json" in init.value.message
+    assert _everything(store) == before  # nothing written: no store.json, no key, no object
+    if where == "posix":
+        r = _kvpack("generate", "--store", store.path, "--engine", "arrays", "--raw", "--prompt", "1 2 3")
+        assert r.returncode == 1 and r.stderr.startswith("kvpack: corrupt:") and "no store.json" in r.stderr, r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1
+        assert _everything(store) == before
+
+
+def test_repair_keeps_an_entry_a_save_republished_while_it_ran(tmp_path):
+    """``repair`` reads a malformed index entry; before it drops it, a save (another
+    process's, sharing the store lock) replaces the entry with a valid one. repair must drop
+    only what is still malformed: the republished cut stays indexed."""
+    from kvpack.testing.faults import FaultyOps
+
+    store = PosixBackend().new(tmp_path)
+    eng = _engine()
+    full = session_with(eng, TOKENS, store)
+    top = store.find_deepest(TOKENS, eng.layout, eng.ids())
+    entry = f"index/{top.node_id.hex()}"
+    store.env.write(entry, b"not hex\n")
+    fired = []
+
+    def save_meanwhile(path: str, data: bytes) -> bytes:
+        if path.endswith(entry) and not fired:
+            fired.append(store.save(full))  # the entry is malformed: the save replaces it
+        return data  # repair goes on with what it read (the malformed bytes)
+
+    repairer = PackStore.open(store.path, ops=FaultyOps(corrupt_reads=save_meanwhile))
+    out = repairer.repair()
+    assert fired and fired[0].manifest_id == top.manifest_id.hex()
+    assert out["quarantined"] == 1 and not out["receipts"][0]["index_entry_removed"]
+    assert store.find_deepest(TOKENS, eng.layout, eng.ids()).cut == len(TOKENS)
+    assert store.verify(read_data=True)["ok"]
+
+
+@pytest.mark.parametrize("where", ["posix", "s3"])
+def test_forget_of_an_unknown_cut_twice_is_a_miss_and_changes_nothing(request, tmp_path, where):
+    """``store forget`` of a cut no entry names -- never stored, or forgotten already -- is a
+    miss (exit 1) whether the id is given whole or as a prefix, and removes nothing."""
+    backend = _backend(request, where)
+    store = backend.new(tmp_path)
+    eng = _engine()
+    session_with(eng, TOKENS[:600], store)
+    top = store.find_deepest(TOKENS[:600], eng.layout, eng.ids())
+    assert store.forget(top.manifest_id)["index_entries_removed"] == 1
+    before = _everything(store)
+    for _ in range(2):
+        for cut in (top.manifest_id, bytes(32)):
+            with pytest.raises(StoreError) as info:
+                store.forget(cut)
+            assert info.value.category == "miss"
+    assert _everything(store) == before
+    if where == "posix":
+        for text in (top.manifest_id.hex(), top.manifest_id.hex()[:12]):
+            r = _kvpack("store", "forget", store.path, text)
+            assert r.returncode == 1 and r.stderr.startswith("kvpack: miss:"), r.stderr
+        assert _everything(store) == before

@@ -139,11 +139,11 @@ def _engine(args):
 
 def _open_or_init(args):
     from ..store import PackStore
-    from ..store.location import make_env, store_kwargs
+    from ..store.location import holds_store_objects, make_env, store_kwargs
 
     kw = store_kwargs(args)
     env = make_env(args.store, endpoint=kw["endpoint"], credentials_file=kw["credentials_file"])
-    if not env.exists("store.json"):
+    if not env.exists("store.json") and not holds_store_objects(env):  # (a lost store.json: open refuses)
         return PackStore.init(env, root_key_file=kw["root_key_file"])
     return PackStore.open(env, root_key_file=kw["root_key_file"])
 

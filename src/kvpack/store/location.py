@@ -62,10 +62,34 @@ def _load_key(path: str) -> bytes:
         raise StoreError("key", exc.message) from None
 
 
+#: object prefixes only a store writes: a location holding any of them has a store in it
+STORE_PREFIXES = ("index/", "packs/", "logits/", "chunks/")
+
+
+def holds_store_objects(env: StorageEnv) -> bool:
+    """Whether the location holds objects of a store (whatever store.json says)."""
+    for prefix in STORE_PREFIXES:
+        try:
+            for _info in env.list(prefix):
+                return True
+        except ObjectMissing:
+            return False  # no bucket
+    return False
+
+
+def _lost_config(env: StorageEnv) -> str:
+    return (
+        f"{env.location} holds store objects but no store.json (lost or deleted): restore store.json "
+        "from a backup (it holds no secret); 'kvpack store init' refuses to create a new store over them"
+    )
+
+
 def _read_config(env: StorageEnv) -> dict:
     try:
         config = json.loads(env.read("store.json"))
     except ObjectMissing:
+        if holds_store_objects(env):
+            raise StoreError("corrupt", _lost_config(env)) from None
         raise StoreError("no_store", f"{env.location} is not a kvpack store (no store.json); run 'kvpack store init'") from None
     except ValueError as exc:
         raise StoreError("corrupt", f"{env.location}/store.json unreadable: {exc}") from None
@@ -123,6 +147,10 @@ def init_store(
     remote = is_s3(env.location)
     if env.exists("store.json"):
         raise StoreError("usage", f"{env.location} already holds a store")
+    if holds_store_objects(env):
+        # a store whose store.json is gone: a new one over it (another chunk size, plain
+        # where it was encrypted, a fresh key check) would silently mix with its objects
+        raise StoreError("usage", _lost_config(env))
     if root_key_file is None and remote:
         raise StoreError("usage", "an S3 store keeps its root key outside the bucket: pass --root-key-file (created 0600 if missing)")
     key_path = os.path.abspath(root_key_file) if root_key_file else os.path.join(env.location, "root.key")

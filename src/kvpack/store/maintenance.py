@@ -207,7 +207,9 @@ def quarantine(store: PackStore, node: bytes, mid: bytes | None, problems: list[
             named = bytes.fromhex(got[0].strip().decode())
         except (ValueError, UnicodeDecodeError):
             named = None
-        if mid is None or named == mid:
+        # mid None: a malformed entry, removed only while it still is one (a save may have
+        # replaced it with a valid entry since it was read)
+        if (named is None and mid is None) or (mid is not None and named == mid):
             receipt["index_entry_removed"] = store.env.delete(index_name(node), if_version=got[1])
     for name in receipt["objects_removed"]:
         store.env.delete(name)
@@ -307,13 +309,16 @@ def repair(store: PackStore) -> dict:
 
 
 def _drop_malformed(store: PackStore, info: ObjectInfo, why: str) -> dict:
-    problem = {"object": info.name, "problem": f"{info.name}: malformed: {why}", "remove": True}
+    problem = {"object": None, "problem": f"{info.name}: malformed: {why}", "remove": False}
     try:
         node = bytes.fromhex(info.name.rpartition("/")[2])
+        stray = len(node) != 32 or index_name(node) != info.name
     except ValueError:
-        node = hashlib.sha256(info.name.encode()).digest()
+        node, stray = hashlib.sha256(info.name.encode()).digest(), True
     receipt = quarantine(store, node, None, [problem], by="repair")
-    store.env.delete(info.name)
+    if stray:
+        # no index entry could live under this name: nothing replaces it concurrently
+        receipt["index_entry_removed"] = store.env.delete(info.name)
     return receipt
 
 
@@ -327,7 +332,7 @@ def forget(store: PackStore, manifest_id: bytes) -> dict:
         if got is not None and store.env.delete(index_name(node), if_version=got[1]):
             removed += 1
     if not removed:
-        raise StoreError("usage", f"no index entry names cut {manifest_id.hex()}")
+        raise StoreError("miss", f"no index entry names cut {manifest_id.hex()} (never stored, or forgotten or quarantined already)")
     return {"manifest_id": manifest_id.hex(), "index_entries_removed": removed}
 
 
