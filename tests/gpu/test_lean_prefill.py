@@ -305,3 +305,34 @@ def test_cuda_graph_prefill_is_bit_identical(dtype):
     _assert_same_cache(whole, resumed)
     assert whole.decode_greedy(8)[0] == resumed.decode_greedy(8)[0]
     _assert_same_cache(whole, resumed)
+
+
+def test_concurrent_sessions_on_one_graphs_engine_stay_exact():
+    """The segmented runner's ids, positions and attention outputs are static buffers shared
+    by every session of the engine (a daemon prefills several sessions on one engine at
+    once): concurrent full chunks must not read each other's rows."""
+    import threading
+
+    model, graphs = _pair(forward="graphs")
+    prompts = [random_tokens(768, graphs.layout.vocab_size, seed=10 + i) for i in range(4)]
+    want = []
+    for p in prompts:
+        s = model.new_session()
+        s.prefill(p)
+        want.append(s.cache_digest())
+    got: list = [None] * len(prompts)
+    start = threading.Barrier(len(prompts))
+
+    def run(i: int) -> None:
+        s = graphs.new_session()
+        start.wait()
+        s.prefill(prompts[i])
+        got[i] = s.cache_digest()
+
+    graphs.new_session().prefill(prompts[0][:256])  # build the runner before the race
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert got == want

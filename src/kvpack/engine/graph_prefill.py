@@ -24,12 +24,13 @@ attention writes its output into the static buffer the next segment reads. Parti
 
 Bit-exactness is checked, not assumed: the same kernels run on the same values, but a GEMM
 captured into a graph could in principle pick another cuBLAS kernel (the capture stream has
-its own workspace), so tests/gpu/test_graph_prefill.py compares every plane with the model's
+its own workspace), so tests/gpu/test_lean_prefill.py compares every plane with the model's
 forward on the device.
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 from .lean_prefill import Plan, check_rows, embed_and_rotary, final_logits, post_attention, pre_attention
@@ -67,7 +68,13 @@ class SegmentedChunk:
     """A full chunk of ``chunk_tokens`` through the segments above, for one plan.
 
     ``capture=True`` (CUDA) captures every segment into a graph on first use; ``False`` runs
-    the segments eagerly over the same static buffers (the CPU tests)."""
+    the segments eagerly over the same static buffers (the CPU tests).
+
+    One chunk at a time: the ids, positions and attention outputs are static buffers every
+    session of the engine shares (a daemon prefills several sessions at once), so
+    :meth:`forward` holds a lock from the first copy into them to the copy of the logits out,
+    and on CUDA the next chunk's stream waits for the last one's work on those buffers (the
+    calling threads may use different streams)."""
 
     def __init__(self, plan: Plan, chunk_tokens: int, device: Any, *, capture: bool) -> None:
         import torch
@@ -84,6 +91,8 @@ class SegmentedChunk:
         self.attn_out = [torch.zeros((1, chunk_tokens, heads * layer.head_dim), dtype=dtype, device=device) for layer in plan.layers]
         self.outputs: list[Any] = [None] * (len(plan.layers) + 1)
         self.graphs: list[Any] | None = None
+        self._lock = threading.Lock()
+        self._released: Any = None  # CUDA event after the last chunk's reads of the buffers
 
     # -- the segments (each reads static buffers or earlier segments' outputs) -------------
 
@@ -139,9 +148,19 @@ class SegmentedChunk:
         (a fresh tensor: the graph's output buffer is overwritten by the next chunk)."""
         import warnings
 
-        with warnings.catch_warnings():
+        with self._lock, warnings.catch_warnings():
             warnings.simplefilter("ignore")  # lower_right_attention silences the bias's kernel warnings
-            return self._forward(cache_layers, input_ids, past)
+            if self._released is not None:
+                import torch
+
+                torch.cuda.current_stream().wait_event(self._released)
+            logits = self._forward(cache_layers, input_ids, past)
+            if self.capture:
+                import torch
+
+                self._released = torch.cuda.Event()
+                self._released.record()
+            return logits
 
     def _forward(self, cache_layers: list[Any], input_ids: Any, past: int) -> Any:
         import torch

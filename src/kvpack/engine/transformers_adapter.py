@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
+import threading
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -127,6 +128,7 @@ class TransformersEngine:
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.prefill_attention = self._choose_prefill_attention(prefill_attention)
         self.prefill_forward = self._choose_prefill_forward(prefill_forward)
+        self._segmented_lock = threading.Lock()
         self.threads = torch.get_num_threads()
         self.max_context = int(max_context or getattr(self.config, "max_position_embeddings", 0) or 0)
         if self.max_context <= 0:
@@ -177,11 +179,12 @@ class TransformersEngine:
         changed (diag_prefill_chunks tries other grids on one engine)."""
         from .graph_prefill import SegmentedChunk, same_plan
 
-        runner = getattr(self, "_segmented", None)
-        if runner is None or runner.n != self.prefill_chunk_tokens or not same_plan(runner.plan, plan):
-            runner = SegmentedChunk(plan, self.prefill_chunk_tokens, self.device, capture=self.device.type == "cuda")
-            self._segmented = runner
-        return runner
+        with self._segmented_lock:  # sessions prefilling at once share one runner
+            runner = getattr(self, "_segmented", None)
+            if runner is None or runner.n != self.prefill_chunk_tokens or not same_plan(runner.plan, plan):
+                runner = SegmentedChunk(plan, self.prefill_chunk_tokens, self.device, capture=self.device.type == "cuda")
+                self._segmented = runner
+            return runner
 
     # -- layout ---------------------------------------------------------------------------
 
