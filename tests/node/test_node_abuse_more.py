@@ -12,7 +12,10 @@ lists, on loopback against real nodes (mutual TLS, the arrays engine):
 * a local API request nested past the recursion limit gets its one-line ``usage`` refusal
   (its thread died with a traceback and the client got no reply);
 * a request waiting for a busy named (received) session stops waiting within 1 s once its
-  client hangs up (it waited for the other request to finish), and the session is untouched.
+  client hangs up (it waited for the other request to finish), and the session is untouched;
+* trickling peers on the observability (metrics / status) port cost one of 64 slots until a
+  whole-connection deadline (they held a thread each, without limit, for as long as they
+  kept trickling).
 """
 
 from __future__ import annotations
@@ -294,3 +297,56 @@ def test_a_request_cancelled_while_waiting_for_a_busy_named_session_leaves_it_un
     assert tokens[: len(held)] == held and len(tokens) - len(held) < 200_000  # part of the first run
     first.update(request_local(p.socket, {"session": "landed-1", "tokens": tokens + [5], "max_new_tokens": 1}, timeout=30))
     assert first.get("ok"), first  # the session is exactly the first request's: it continues
+
+
+def test_trickling_peers_on_the_observability_port_cost_a_bounded_slot_until_a_whole_deadline(tmp_path, monkeypatch):
+    """The metrics / status listener used one thread per connection with a per-read timeout
+    only: a peer sending a byte every few seconds held a thread and a descriptor for as long
+    as it liked, and any number of peers did. Now: at most ``max_connections`` at once (more
+    are closed at once), each connection whole within ``connection_s``."""
+    from kvpack.node.metrics import _ObservabilityServer
+
+    from .helpers import http_get
+
+    monkeypatch.setattr(_ObservabilityServer, "connection_s", 2.0)  # the default 10 s, shortened
+    engine = load_engine(ENGINE)
+    enrolled = Enrolled(str(tmp_path / "cluster"), engine)
+    node = ReceiverNode(enrolled.receiver_config(), engine, receipts_dir=str(tmp_path / "r"), check_volume=False, metrics_port=0).start()
+    try:
+        port = node.metrics.port
+        closed: list[float] = []
+        stop = threading.Event()
+        t0 = time.monotonic()
+
+        def trickle() -> None:
+            s = socket.create_connection(("127.0.0.1", port))
+            s.settimeout(0.25)
+            try:
+                while not stop.is_set():
+                    s.send(b"G")  # a request line that never ends
+                    try:
+                        if s.recv(1) == b"":
+                            break
+                    except socket.timeout:
+                        continue
+            except OSError:
+                pass
+            finally:
+                closed.append(time.monotonic() - t0)
+                s.close()
+
+        threads = [threading.Thread(target=trickle) for _ in range(80)]
+        for t in threads:
+            t.start()
+        try:
+            assert _wait(lambda: len(closed) >= 80 - _ObservabilityServer.max_connections, 2)  # over the cap: closed at once
+            assert _wait(lambda: len(closed) == 80, 2.0 + 3.0), len(closed)  # the rest at their deadline
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(timeout=5)
+        assert node.metrics._server.active() == 0
+        assert node.metrics._server.refused >= 80 - _ObservabilityServer.max_connections
+        assert " 200 " in http_get(port, "/healthz").splitlines()[0]
+    finally:
+        node.stop()

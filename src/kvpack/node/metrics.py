@@ -43,6 +43,7 @@ import platform
 import socket
 import ssl
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable
 
@@ -189,12 +190,26 @@ def engine_labels(engine: Any) -> dict[str, str]:
 
 
 class _ObservabilityServer(ThreadingHTTPServer):
+    """One thread per connection, within two bounds (docs/operations.md, "Limits and
+    deadlines"): at most :attr:`max_connections` at once (more are closed at once and
+    counted in :attr:`refused`), and each connection -- TLS handshake, request head and
+    answer -- whole within :attr:`connection_s`. The handler's ``timeout`` bounds each
+    read only: a peer trickling a byte every few seconds used to hold a thread (and a file
+    descriptor the data listener needs) for as long as it liked, and any number of them.
+    ``serve_forever`` calls :meth:`service_actions` every 0.5 s; it shuts down the sockets of
+    connections past their deadline, which ends their threads' blocked reads."""
+
     daemon_threads = True
     request_queue_size = 64
+    max_connections = 64
+    connection_s = 10.0
 
     def __init__(self, host: str, port: int, metrics: NodeMetrics, tls: ssl.SSLContext | None) -> None:
         self.metrics = metrics
         self.tls = tls
+        self._active: dict[int, tuple[socket.socket, float]] = {}
+        self._active_lock = threading.Lock()
+        self.refused = 0
         self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
         try:
             super().__init__((host, port), _Handler)
@@ -207,6 +222,37 @@ class _ObservabilityServer(ThreadingHTTPServer):
             # the handshake runs in the request thread (first read), under the handler timeout
             sock = self.tls.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
         return sock, addr
+
+    def process_request(self, request, client_address) -> None:
+        with self._active_lock:
+            over = len(self._active) >= self.max_connections
+            if over:
+                self.refused += 1
+            else:
+                self._active[id(request)] = (request, time.monotonic() + self.connection_s)
+        if over:
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def shutdown_request(self, request) -> None:
+        with self._active_lock:
+            self._active.pop(id(request), None)
+        super().shutdown_request(request)
+
+    def service_actions(self) -> None:
+        now = time.monotonic()
+        with self._active_lock:
+            late = [sock for sock, end in self._active.values() if end <= now]
+        for sock in late:
+            try:  # the plain socket's shutdown (an SSLSocket's would drop its TLS object)
+                socket.socket.shutdown(sock, socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def active(self) -> int:
+        with self._active_lock:
+            return len(self._active)
 
     def handle_error(self, request, client_address) -> None:
         log.debug("observability request failed", exc_info=True)
@@ -250,7 +296,7 @@ ROUTES: dict[str, Route] = {
 
 class _Handler(BaseHTTPRequestHandler):
     server: _ObservabilityServer
-    timeout = 10  # a slow or silent client holds one thread for at most this long
+    timeout = 10  # per read; the server's connection_s bounds the whole connection
     server_version = "kvpack"
     sys_version = ""
 
