@@ -8,6 +8,7 @@ SeaweedFS bucket prefix)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -233,3 +234,46 @@ def test_forget_of_an_unknown_cut_twice_is_a_miss_and_changes_nothing(request, t
             r = _kvpack("store", "forget", store.path, text)
             assert r.returncode == 1 and r.stderr.startswith("kvpack: miss:"), r.stderr
         assert _everything(store) == before
+
+
+def test_every_verb_that_takes_a_store_takes_an_s3_location():
+    """Every command with a store argument (the store verbs, generate, and the node daemons'
+    ``--store``) offers ``--endpoint``, ``--s3-credentials`` and ``--root-key-file``, so an
+    ``s3://bucket/prefix`` store can be named wherever a directory can."""
+    from kvpack.cli import build_parser, leaf_parsers
+
+    lacking = []
+    for words, parser in leaf_parsers(build_parser()):
+        if words[0] != "store" and "store" not in {a.dest for a in parser._actions}:
+            continue
+        options = {o for a in parser._actions for o in a.option_strings}
+        need = {"--endpoint", "--s3-credentials"} | ({"--root-key-file"} if words[-1] != "init" or "--root-key-file" in options else set())
+        if not need <= options:
+            lacking.append(" ".join(words))
+    assert not lacking, lacking
+    assert {"receiver", "producer", "receive", "generate"} <= {w[0] for w, p in leaf_parsers(build_parser()) if "store" in {a.dest for a in p._actions}}
+
+
+def test_a_daemon_store_on_s3_is_created_once_then_opened(tmp_path, seaweed, monkeypatch):
+    """``kvpack receive --store s3://... --endpoint ...`` (the daemons' store, opened as
+    generate's): created in the bucket on the first start, opened on the next -- never a
+    local directory named ``s3:``, never refused as 'already holds a store' on a restart."""
+    from kvpack.cli import build_parser
+    from kvpack.commands.node import _store
+    from kvpack.rootkey import create_root_key
+
+    monkeypatch.chdir(tmp_path)
+    config = tmp_path / "receiver.json"
+    config.write_text("{}")
+    loc = "s3://kvpack-tests/daemon-" + os.urandom(4).hex()
+    create_root_key(str(tmp_path / "root.key"))  # an S3 store's key lives outside the bucket
+    argv = ["receive", "--config", str(config), "--store", loc, "--endpoint", seaweed.endpoint]
+    argv += ["--s3-credentials", seaweed.credentials_file, "--root-key-file", str(tmp_path / "root.key")]
+    args = build_parser().parse_args(argv)
+    first = _store(args, str(tmp_path / "state" / "store"))
+    eng = _engine()
+    session_with(eng, TOKENS[:300], first)
+    again = _store(args, str(tmp_path / "state" / "store"))  # a restart
+    assert again.path == loc and again.find_deepest(TOKENS[:300], eng.layout, eng.ids()).cut == 300
+    assert sorted(os.listdir(tmp_path)) == ["receiver.json", "root.key"]
+    assert seaweed.secret_key not in first.env.read("store.json").decode()

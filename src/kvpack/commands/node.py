@@ -20,13 +20,19 @@ from ._args import duration, engine_spec, int_range, nonneg_int, positive_int, r
 METRICS_LISTEN_DEFAULT = "127.0.0.1:0"
 
 
-def _store(path: str | None, default: str):
-    from ..store import PackStore
+def _store_location_args(p: argparse.ArgumentParser) -> None:
+    """``--endpoint``, ``--s3-credentials`` and ``--root-key-file``, as every store verb."""
+    from .store import _location_args
 
-    path = path or default
-    if os.path.exists(os.path.join(path, "store.json")):
-        return PackStore.open(path)
-    return PackStore.init(path)
+    _location_args(p)
+
+
+def _store(args: argparse.Namespace, default: str):
+    """The daemon's durable tier: ``--store`` (a directory or s3://bucket/prefix with
+    ``--endpoint``), opened or created like ``kvpack generate``'s."""
+    from ..store.location import open_or_init, store_kwargs
+
+    return open_or_init(args.store or default, **store_kwargs(args))
 
 
 def _serve_until_signal(stop) -> int:
@@ -51,7 +57,10 @@ def _engine(args):
 
 def _refuse_ignored_daemon_flags(args: argparse.Namespace) -> None:
     if args.no_store:
-        refuse_ignored([("--store", args.store is not None)], because="--no-store")
+        stores = [("--store", args.store is not None)] + [
+            (f"--{n.replace('_', '-')}", getattr(args, n, None) is not None) for n in ("endpoint", "s3_credentials", "root_key_file")
+        ]
+        refuse_ignored(stores, because="--no-store")
     if args.no_metrics:
         metrics = [
             ("--metrics-listen", args.metrics_listen != METRICS_LISTEN_DEFAULT),
@@ -92,7 +101,7 @@ def cmd_receiver(args: argparse.Namespace) -> int:
     socket_path = args.socket or os.path.join(base, "state", "receiver.sock")
     check_unix_socket_path(socket_path)
     metrics_host, metrics_tls = _metrics_listener(args, cfg.data_endpoint())
-    store = None if args.no_store else _store(args.store, os.path.join(base, "state", "store"))
+    store = None if args.no_store else _store(args, os.path.join(base, "state", "store"))
     node = ReceiverNode(
         cfgs,
         None,
@@ -161,7 +170,7 @@ def cmd_receive(args: argparse.Namespace) -> int:
     if cfg.producer_control is not None:
         raise SecurityError("config", f"{cfg.path}: kvpack receive takes a receiver config without producer_control (unsolicited mode)")
     base = os.path.dirname(cfg.path)
-    store = None if args.no_store else _store(args.store, os.path.join(base, "state", "store"))
+    store = None if args.no_store else _store(args, os.path.join(base, "state", "store"))
     node = ReceiverNode(
         cfg,
         None,
@@ -209,7 +218,7 @@ def cmd_producer(args: argparse.Namespace) -> int:
         cfg = dataclasses.replace(cfg, control_listen_host=host, control_listen_port=port_number)
     base = os.path.dirname(cfg.path)
     metrics_host, metrics_tls = _metrics_listener(args, cfg.control_endpoint())
-    store = None if args.no_store else _store(args.store, os.path.join(base, "state", "store"))
+    store = None if args.no_store else _store(args, os.path.join(base, "state", "store"))
     node = ProducerNode(
         cfg,
         None,
@@ -363,8 +372,9 @@ def _common(p: argparse.ArgumentParser, *, many_configs: bool = False) -> None:
         p.add_argument("--config", required=True, type=existing_file, help="node config written by kvpack enroll")
     p.add_argument("--engine", type=engine_spec, default="smollm2", help=_spec_help())
     p.add_argument("--threads", type=threads, help="torch threads (part of the engine identity: every node the same; default: the engine's default)")
-    p.add_argument("--store", type=not_a_file, help="pack store directory (default: <config dir>/state/store, created)")
+    p.add_argument("--store", type=not_a_file, help="pack store: a directory or s3://bucket/prefix (default: <config dir>/state/store, created)")
     p.add_argument("--no-store", action="store_true", help="no durable tier")
+    _store_location_args(p)
     p.add_argument("--receipts", type=not_a_file, help="receipt directory (default: <config dir>/receipts)")
     p.add_argument(
         "--metrics-listen",
@@ -463,8 +473,13 @@ def register(sub) -> None:
     p.add_argument("--config", required=True, type=existing_file, help="receiver config without producer_control (unsolicited mode)")
     p.add_argument("--engine", type=engine_spec, default="smollm2", help=_spec_help())
     p.add_argument("--threads", type=threads, help="torch threads (part of the engine identity; default: the engine's default)")
-    p.add_argument("--store", type=not_a_file, help="pack store directory for the received prefix cut (default: <config dir>/state/store, created)")
+    p.add_argument(
+        "--store",
+        type=not_a_file,
+        help="pack store for the received prefix cut: a directory or s3://bucket/prefix (default: <config dir>/state/store, created)",
+    )
     p.add_argument("--no-store", action="store_true", help="no durable tier")
+    _store_location_args(p)
     p.add_argument("--receipts", type=not_a_file, help="receipt directory (default: <config dir>/receipts)")
     p.add_argument(
         "--ledger-max-tail-ms",

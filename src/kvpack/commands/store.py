@@ -138,14 +138,9 @@ def _engine(args):
 
 
 def _open_or_init(args):
-    from ..store import PackStore
-    from ..store.location import holds_store_objects, make_env, store_kwargs
+    from ..store.location import open_or_init, store_kwargs
 
-    kw = store_kwargs(args)
-    env = make_env(args.store, endpoint=kw["endpoint"], credentials_file=kw["credentials_file"])
-    if not env.exists("store.json") and not holds_store_objects(env):  # (a lost store.json: open refuses)
-        return PackStore.init(env, root_key_file=kw["root_key_file"])
-    return PackStore.open(env, root_key_file=kw["root_key_file"])
+    return open_or_init(args.store, **store_kwargs(args))
 
 
 def cmd_generate(args) -> int:

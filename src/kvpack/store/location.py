@@ -207,6 +207,20 @@ def _undo_init(env: StorageEnv, created_key: str | None, dir_existed: bool, *, w
         pass
 
 
+def open_or_init(location: str, *, root_key_file: str | None = None, endpoint: str | None = None, credentials_file: str | None = None) -> PackStore:
+    """Open the store at ``location`` (a directory or ``s3://bucket/prefix``), or create it
+    if nothing is there (``kvpack generate`` and the node daemons' ``--store``). A location
+    holding store objects without store.json is opened, which refuses it (never re-created)."""
+    env = make_env(location, endpoint=endpoint, credentials_file=credentials_file)
+    try:
+        if env.exists("store.json") or holds_store_objects(env):
+            return open_store(env, root_key_file=root_key_file)
+        return init_store(env, root_key_file=root_key_file)
+    except BaseException:
+        env.close()
+        raise
+
+
 def store_kwargs(args: Any) -> dict:
     """The opening arguments a CLI verb passes on (``--root-key-file``, ``--endpoint``,
     ``--s3-credentials``)."""
