@@ -214,12 +214,48 @@ def test_cuda_lean_prefill_is_bit_identical(dtype):
 
 
 @requires_cuda
-def test_cuda_auto_selects_the_lean_forward(monkeypatch):
+def test_cuda_auto_selects_the_graph_forward_where_it_can(monkeypatch):
     monkeypatch.delenv(PREFILL_FORWARD_ENV, raising=False)
     loaded = build_llama(seed=0, num_hidden_layers=2)
     loaded.model = loaded.model.to(torch.float16)
     eng = TransformersEngine(loaded, threads=2, device="cuda")
-    assert (eng.prefill_attention, eng.prefill_forward) == ("lower_right", "lean")
+    assert (eng.prefill_attention, eng.prefill_forward) == ("lower_right", "graphs")
+    dynamic = build_llama(seed=0, num_hidden_layers=2)
+    dynamic.model.model.rotary_emb.rope_type = "dynamic"  # frequencies updated on the host
+    assert TransformersEngine(dynamic, threads=2, device="cuda").prefill_forward == "lean"
+
+
+@requires_cuda
+def test_concurrent_sessions_on_one_cuda_graphs_engine_stay_exact():
+    """The captured runner's static buffers under sessions prefilling at once, each thread
+    on its own stream (the ordering between chunks then rests on the runner's event)."""
+    import threading
+
+    model, graphs = _pair("f16", device="cuda", forward="graphs")
+    prompts = [random_tokens(1024, graphs.layout.vocab_size, seed=20 + i) for i in range(4)]
+    want = []
+    for p in prompts:
+        s = model.new_session()
+        s.prefill(p)
+        want.append(s.cache_digest())
+    got: list = [None] * len(prompts)
+    start = threading.Barrier(len(prompts))
+
+    def run(i: int) -> None:
+        with torch.cuda.stream(torch.cuda.Stream()):
+            s = graphs.new_session()
+            start.wait()
+            s.prefill(prompts[i])
+            torch.cuda.current_stream().synchronize()
+            got[i] = s.cache_digest()
+
+    graphs.new_session().prefill(prompts[0][:256])  # capture before the race
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert got == want
 
 
 @pytest.mark.parametrize("forward", ["lean", "graphs"])
