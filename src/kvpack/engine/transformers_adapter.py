@@ -53,7 +53,7 @@ ADAPTER_NAME = "kvpack.engine.transformers_adapter"
 ADAPTER_VERSION = 1
 REUSE_BLOCK_TOKENS = TOKEN_ALIGN  # reusable cuts are multiples of kvpack's one token alignment
 
-#: Environment override of ``prefill_forward="auto"``: ``lean`` or ``model``.
+#: Environment override of ``prefill_forward="auto"``: ``lean``, ``graphs`` or ``model``.
 PREFILL_FORWARD_ENV = "KVPACK_PREFILL_FORWARD"
 
 _TORCH_TO_WIRE = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}
@@ -89,8 +89,9 @@ class TransformersEngine:
     same bits; needs ``prefill_attention`` ``lower_right``); ``"graphs"`` also replays full
     chunks as CUDA graphs between the attention calls (kvpack.engine.graph_prefill; on a CPU
     the same segments run eagerly); ``"model"`` calls the model's forward; ``"auto"``
-    (default) is ``$KVPACK_PREFILL_FORWARD`` when set, else ``lean`` where supported.
-    Recorded in the engine ABI.
+    (default) is ``$KVPACK_PREFILL_FORWARD`` when set, else, where the lean forward is
+    supported, ``graphs`` on CUDA (``lean`` if the rotary frequencies change per forward) and
+    ``lean`` elsewhere. Recorded in the engine ABI.
     """
 
     def __init__(
