@@ -229,33 +229,7 @@ def test_cuda_auto_selects_the_graph_forward_where_it_can(monkeypatch):
 def test_concurrent_sessions_on_one_cuda_graphs_engine_stay_exact():
     """The captured runner's static buffers under sessions prefilling at once, each thread
     on its own stream (the ordering between chunks then rests on the runner's event)."""
-    import threading
-
-    model, graphs = _pair("f16", device="cuda", forward="graphs")
-    prompts = [random_tokens(1024, graphs.layout.vocab_size, seed=20 + i) for i in range(4)]
-    want = []
-    for p in prompts:
-        s = model.new_session()
-        s.prefill(p)
-        want.append(s.cache_digest())
-    got: list = [None] * len(prompts)
-    start = threading.Barrier(len(prompts))
-
-    def run(i: int) -> None:
-        with torch.cuda.stream(torch.cuda.Stream()):
-            s = graphs.new_session()
-            start.wait()
-            s.prefill(prompts[i])
-            torch.cuda.current_stream().synchronize()
-            got[i] = s.cache_digest()
-
-    graphs.new_session().prefill(prompts[0][:256])  # capture before the race
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    assert got == want
+    _prefill_at_once(*_pair("f16", device="cuda", forward="graphs"), tokens=1024, seed=20, own_streams=True)
 
 
 @pytest.mark.parametrize("forward", ["lean", "graphs"])
@@ -343,14 +317,13 @@ def test_cuda_graph_prefill_is_bit_identical(dtype):
     _assert_same_cache(whole, resumed)
 
 
-def test_concurrent_sessions_on_one_graphs_engine_stay_exact():
-    """The segmented runner's ids, positions and attention outputs are static buffers shared
-    by every session of the engine (a daemon prefills several sessions on one engine at
-    once): concurrent full chunks must not read each other's rows."""
+def _prefill_at_once(model, graphs, tokens: int, seed: int, own_streams: bool) -> None:
+    """Four sessions prefill different prompts at once on ``graphs`` (each thread on its own
+    CUDA stream with ``own_streams``); each must match its prompt's digest on ``model``."""
+    import contextlib
     import threading
 
-    model, graphs = _pair(forward="graphs")
-    prompts = [random_tokens(768, graphs.layout.vocab_size, seed=10 + i) for i in range(4)]
+    prompts = [random_tokens(tokens, graphs.layout.vocab_size, seed=seed + i) for i in range(4)]
     want = []
     for p in prompts:
         s = model.new_session()
@@ -360,15 +333,25 @@ def test_concurrent_sessions_on_one_graphs_engine_stay_exact():
     start = threading.Barrier(len(prompts))
 
     def run(i: int) -> None:
-        s = graphs.new_session()
-        start.wait()
-        s.prefill(prompts[i])
-        got[i] = s.cache_digest()
+        with torch.cuda.stream(torch.cuda.Stream()) if own_streams else contextlib.nullcontext():
+            s = graphs.new_session()
+            start.wait()
+            s.prefill(prompts[i])
+            if own_streams:
+                torch.cuda.current_stream().synchronize()
+            got[i] = s.cache_digest()
 
-    graphs.new_session().prefill(prompts[0][:256])  # build the runner before the race
+    graphs.new_session().prefill(prompts[0][:256])  # build (capture) the runner before the race
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=120)
     assert got == want
+
+
+def test_concurrent_sessions_on_one_graphs_engine_stay_exact():
+    """The segmented runner's ids, positions and attention outputs are static buffers shared
+    by every session of the engine (a daemon prefills several sessions on one engine at
+    once): concurrent full chunks must not read each other's rows."""
+    _prefill_at_once(*_pair(forward="graphs"), tokens=768, seed=10, own_streams=False)
