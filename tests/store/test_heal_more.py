@@ -277,3 +277,65 @@ def test_a_daemon_store_on_s3_is_created_once_then_opened(tmp_path, seaweed, mon
     assert again.path == loc and again.find_deepest(TOKENS[:300], eng.layout, eng.ids()).cut == 300
     assert sorted(os.listdir(tmp_path)) == ["receiver.json", "root.key"]
     assert seaweed.secret_key not in first.env.read("store.json").decode()
+
+
+def _files(root: str) -> dict[str, bytes]:
+    out = {}
+    for directory, _dirs, files in os.walk(root):
+        for name in files:
+            with open(os.path.join(directory, name), "rb") as fh:
+                out[os.path.relpath(os.path.join(directory, name), root)] = fh.read()
+    return out
+
+
+@pytest.mark.parametrize("failing", ["index", "packs", "logits", "stat"])
+@pytest.mark.parametrize("verb", ["verify", "repair", "gc"])
+def test_a_failing_disk_refuses_maintenance_and_changes_nothing(tmp_path, verb, failing):
+    """EIO reading index entries, packs or logits objects (or stat-ing them) is one ``io``
+    refusal for verify, repair and gc -- never a verdict on the cuts: before, an unreadable
+    index entry counted as malformed, so gc saw no live cut and deleted every object of the
+    store, repair wrote receipts, and an unreadable pack or logits object made repair
+    quarantine the cut."""
+    from kvpack.testing.faults import FaultyOps
+
+    store = PosixBackend().new(tmp_path)
+    eng = _engine()
+    session_with(eng, TOKENS[:600], store)
+    before = _files(store.path)
+    if failing == "stat":
+        ops = FaultyOps(fail_reads={"stat"})  # every stat, the listing's included
+    else:
+        ops = FaultyOps(fail_reads=lambda kind, path: kind == "read" and f"/{failing}/" in path)
+    sick = PackStore.open(store.path, ops=ops)
+    try:
+        out = getattr(sick, verb)()
+    except StoreError as exc:
+        assert exc.category == "io" and "Input/output error" in exc.message, exc
+    else:
+        assert verb == "gc" and not any(v for k, v in out.items()), out  # gc read nothing that failed
+    assert _files(store.path) == before  # nothing deleted, quarantined or written
+    healthy = PackStore.open(store.path)
+    assert healthy.verify(read_data=True)["ok"] and healthy.verify(read_data=True)["cuts"] == 3
+
+
+def test_healing_and_saving_go_on_after_an_operator_removed_store_directories(tmp_path):
+    """An operator clears receipts (``rm -r STORE/quarantine``) or every index entry
+    (``rm -r STORE/index``): the next heal writes its receipt and the next save commits,
+    instead of a lookup that fails on the missing directory (before: DurableIOError
+    'No such file or directory' out of generate)."""
+    import shutil
+
+    store = PosixBackend().new(tmp_path)
+    eng = _engine()
+    session_with(eng, TOKENS, store)
+    expected = generate(eng, None, TOKENS, max_new_tokens=3).tokens
+    _damage(store, eng, "truncated_chunk")
+    shutil.rmtree(os.path.join(store.path, "quarantine"))
+    healed = generate(eng, store, TOKENS, max_new_tokens=3)
+    assert healed.tokens == expected and len(healed.quarantined) == 1
+    assert names(store, "quarantine/") == [healed.quarantined[0]["receipt"]]
+    shutil.rmtree(os.path.join(store.path, "index"))
+    again = generate(eng, store, TOKENS, max_new_tokens=3)  # a miss: recomputed, saved again
+    assert again.tokens == expected and again.reused_tokens == 0
+    assert generate(eng, store, TOKENS, max_new_tokens=3).reused_tokens == len(TOKENS)
+    assert store.verify(read_data=True)["ok"]

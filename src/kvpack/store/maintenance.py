@@ -47,6 +47,8 @@ def index_entries(store: PackStore, problems: list[str] | None = None) -> list[t
             node = bytes.fromhex(name)
             mid = store._read_index(node)
         except (ValueError, StoreError) as exc:
+            if isinstance(exc, StoreError):
+                _verdict_only(exc)  # an unreadable entry is not a malformed one: gc would drop its cut
             if problems is not None:
                 problems.append(f"index entry {name}: {exc}")
             continue
@@ -100,6 +102,7 @@ class _Checker:
             chain = store.load_chain(mid)
             store.check_binding(node, mid, chain[0])
         except StoreError as exc:
+            _verdict_only(exc)
             return [self._pack_problem(mid, exc)]
         problems = []
         for manifest in chain:
@@ -113,6 +116,7 @@ class _Checker:
             elif not store.env.exists(logits_name(mid)):
                 problems.append({"object": None, "problem": f"cut {mid.hex()}: no final-logits object", "remove": False})
         except StoreError as exc:
+            _verdict_only(exc)
             problems.append({"object": logits_name(mid), "problem": f"{exc.category}: {exc.message}", "remove": exc.category == "corrupt"})
         except FormatError as exc:
             problems.append({"object": logits_name(mid), "problem": f"refused {exc.category}: {exc.message}", "remove": True})
@@ -156,6 +160,15 @@ class _Checker:
         # Wrong for this manifest; is it still a valid object for its own name (another
         # encoding of the same plaintext)? Then only the cut is bad, not the object.
         return {"object": name, "problem": problem, "remove": not _valid_for_name(obj, ref, args)}
+
+
+def _verdict_only(exc: StoreError) -> None:
+    """Re-raise what says nothing about the stored bytes (a read failing with EIO, a lock):
+    only ``corrupt`` and ``incomplete`` are verdicts on a cut. A failing disk must refuse
+    verify and repair with one line, never have repair quarantine every cut it could not
+    read."""
+    if exc.category not in ("corrupt", "incomplete"):
+        raise exc
 
 
 def _valid_for_name(obj: bytes, ref: ChunkRef, args: dict) -> bool:
@@ -296,6 +309,8 @@ def repair(store: PackStore) -> dict:
                     raise ValueError("index name is not 32 bytes of hex")
                 mid = store._read_index(node)
             except (ValueError, StoreError) as exc:
+                if isinstance(exc, StoreError):
+                    _verdict_only(exc)  # EIO reading it says nothing about the entry
                 # a malformed entry (or a stray object under index/): drop it with a receipt
                 receipts.append(_drop_malformed(store, info, str(exc)))
                 continue

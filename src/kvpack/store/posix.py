@@ -100,6 +100,8 @@ class PosixEnv(StorageEnv):
                 st = self.ops.stat(self._p(name))
             except FileNotFoundError:
                 continue  # removed meanwhile
+            except OSError as exc:
+                raise StoreError("io", f"stat {self._p(name)}: {exc.strerror or exc}") from None
             if stat.S_ISDIR(st.st_mode):
                 yield from self.list(name + "/")
             elif stat.S_ISREG(st.st_mode):
@@ -107,7 +109,24 @@ class PosixEnv(StorageEnv):
 
     # -- writes ------------------------------------------------------------------------------
     def write(self, name: str, data: Buffer | Iterable[Buffer], *, create_only: bool = False, batch: bool = False) -> bool:
-        return atomic_write(self._p(name), data, ops=self.ops, mode=0o600, sync_dir=not batch, replace=not create_only)
+        path = self._p(name)
+        try:
+            return atomic_write(path, data, ops=self.ops, mode=0o600, sync_dir=not batch, replace=not create_only)
+        except DurableIOError as exc:
+            # failing to create the temp file (nothing of ``data`` consumed yet) because its
+            # directory is gone: made again below, once
+            if exc.category != "open" or not isinstance(exc.__cause__, FileNotFoundError) or not self._remake_dir(path):
+                raise
+        return atomic_write(path, data, ops=self.ops, mode=0o600, sync_dir=not batch, replace=not create_only)
+
+    def _remake_dir(self, path: str) -> bool:
+        """Recreate the missing directory of ``path`` inside a store whose root still exists
+        (an operator clearing ``quarantine/`` or ``index/`` with rm -r); False otherwise."""
+        directory = os.path.dirname(path)
+        if os.path.isdir(directory) or not os.path.isdir(self.root) or not directory.startswith(self.root + os.sep):
+            return False
+        ensure_dir(directory, ops=self.ops)
+        return True
 
     def commit(self, prefix: str) -> None:
         sync_dir(self._p(prefix.rstrip("/")), ops=self.ops)
@@ -149,7 +168,12 @@ class PosixEnv(StorageEnv):
     def _cas_lock(self, name: str) -> Iterator[None]:
         """An exclusive flock on the object's directory for one read-compare-rename."""
         directory = os.path.dirname(self._p(name))
-        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
+        except FileNotFoundError:
+            if not self._remake_dir(self._p(name)):
+                raise StoreError("io", f"{directory} is missing") from None
+            fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield
