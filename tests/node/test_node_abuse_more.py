@@ -15,7 +15,9 @@ lists, on loopback against real nodes (mutual TLS, the arrays engine):
   client hangs up (it waited for the other request to finish), and the session is untouched;
 * trickling peers on the observability (metrics / status) port cost one of 64 slots until a
   whole-connection deadline (they held a thread each, without limit, for as long as they
-  kept trickling).
+  kept trickling);
+* probes that found nothing, kept as regression tests: one stripe of four reset mid-stream,
+  again and again, leaks no slot, route, connection or prefill slot (with and without fronts).
 """
 
 from __future__ import annotations
@@ -352,3 +354,99 @@ def test_trickling_peers_on_the_observability_port_cost_a_bounded_slot_until_a_w
         assert " 200 " in http_get(port, "/healthz").splitlines()[0]
     finally:
         node.stop()
+
+
+class _ResetProxy:
+    """A loopback relay to the decode node's data port that resets (RST both ways) its
+    ``victim``-th connection once more than ``after`` client bytes went through."""
+
+    def __init__(self, target: int, victim: int, after: int) -> None:
+        self.target, self.victim, self.after = target, victim, after
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.port = self.sock.getsockname()[1]
+        self.accepted = 0
+        self.reset = False
+        self._threads = [threading.Thread(target=self._accept, daemon=True)]
+        self._threads[0].start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.sock.accept()
+            except OSError:
+                return
+            index, self.accepted = self.accepted, self.accepted + 1
+            server = socket.create_connection(("127.0.0.1", self.target))
+            t = threading.Thread(target=self._relay, args=(client, server, index), daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def _relay(self, client: socket.socket, server: socket.socket, index: int) -> None:
+        import select
+
+        up = 0
+        try:
+            while True:
+                ready, _, _ = select.select([client, server], [], [], 0.5)
+                for s in ready:
+                    data = s.recv(1 << 16)
+                    if not data:
+                        return
+                    if s is server:
+                        client.sendall(data)
+                        continue
+                    up += len(data)
+                    if index == self.victim and up > self.after:
+                        for x in (client, server):
+                            x.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                        self.reset = True
+                        return
+                    server.sendall(data)
+        except OSError:
+            return
+        finally:
+            client.close()
+            server.close()
+
+    def close(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+        for t in self._threads:
+            t.join(timeout=2)
+
+
+@pytest.mark.parametrize("fronts", [0, 2])
+def test_a_stripe_connection_reset_mid_transfer_again_and_again_leaks_nothing(pair, fronts):
+    """One stripe of four reset mid-stream (before its TLS handshake ended, and after 200 KB),
+    three times over: every attempt refused with nothing installed, and nothing is left held
+    -- decode slot, route, listener connection, producer prefill slot -- so a striped request
+    then commits (also through TLS fronts)."""
+    from kvpack.errors import KvpackError
+
+    p = pair(decode_slots=1, tls_fronts=fronts)
+    node = p.receiver
+    node.generate(_prompt(1, 300), 2)
+    before = [(list(s.session.tokens), s.session.cache_digest()) for s in node.slots.slots]
+    for attempt, (victim, after) in enumerate([(1, 100), (2, 200_000), (3, 200_000)]):
+        proxy = _ResetProxy(node.data_port, victim, after)
+        node._advertised_port = proxy.port
+        try:
+            with pytest.raises(KvpackError):
+                node.generate(_prompt(2 + attempt, 2000), 2, stripes=4)
+        finally:
+            proxy.close()
+        assert proxy.reset
+        assert [(list(s.session.tokens), s.session.cache_digest()) for s in node.slots.slots] == before  # nothing installed
+        snap = node.listener.snapshot()
+        assert node.slots.busy() == 0 and not node.router.open()
+        assert _wait(lambda: node.listener.snapshot()["connections"] == 0, 5), snap
+        assert _wait(lambda: p.producer._slots._value == p.producer.prefill_slots, 5)
+    assert not [r for r in receipts(p.rdir) if r["verdict"] == "committed" and r.get("stripe", [0, 1])[1] == 4]
+    node._advertised_port = None
+    res = node.generate(_prompt(9, 2000), 2, stripes=4)
+    assert res["transfer"]["stripes"] == 4
