@@ -339,3 +339,81 @@ def test_healing_and_saving_go_on_after_an_operator_removed_store_directories(tm
     assert again.tokens == expected and again.reused_tokens == 0
     assert generate(eng, store, TOKENS, max_new_tokens=3).reused_tokens == len(TOKENS)
     assert store.verify(read_data=True)["ok"]
+
+
+@pytest.mark.parametrize("where", ["posix", "s3"])
+def test_a_wrong_root_key_is_a_clear_refusal_that_writes_nothing(request, tmp_path, where):
+    """An encrypted store opened with another root key: every verb refuses with
+    ``wrong_key`` (exit 12) before reading a cut -- never a miss that would quarantine the
+    cuts and republish over them."""
+    from kvpack.rootkey import create_root_key
+
+    backend = _backend(request, where)
+    store = backend.new(tmp_path, encrypted=True)
+    eng = _engine()
+    session_with(eng, TOKENS[:600], store)
+    wrong = str(tmp_path / "wrong.key")
+    create_root_key(wrong)
+    before = _everything(store)
+    with pytest.raises(StoreError) as info:
+        backend.reopen(store, root_key_file=wrong)
+    assert info.value.category == "wrong_key"
+    assert _everything(store) == before
+    if where == "posix":
+        for argv in (
+            ["generate", "--store", store.path, "--engine", "arrays", "--raw", "--prompt", "1 2 3"],
+            ["store", "repair", store.path],
+            ["store", "gc", store.path],
+        ):
+            r = _kvpack(*argv, "--root-key-file", wrong)
+            assert r.returncode == 12 and r.stderr.startswith("kvpack: wrong_key:"), r.stderr
+        assert _everything(store) == before
+
+
+def test_repair_never_deletes_an_object_a_save_rewrote_while_it_ran(tmp_path):
+    """``repair`` reads a damaged chunk; before it quarantines the cut, a ``generate`` in
+    another process heals it (quarantines the cut, recomputes, rewrites the chunk with good
+    bytes and commits the cut again). repair must not then delete the rewritten chunk by its
+    name: the republished cut would be missing it (before: it was deleted). Encrypted, so the
+    republished cut is another manifest (fresh salts), which repair leaves indexed."""
+    from kvpack.testing.faults import FaultyOps
+
+    store = PosixBackend().new(tmp_path, encrypted=True)
+    eng = _engine()
+    session_with(eng, TOKENS, store)
+    expected = generate(eng, None, TOKENS, max_new_tokens=3).tokens
+    top = store.find_deepest(TOKENS, eng.layout, eng.ids())
+    damaged, _size = _top_only_chunk(store, top.manifest_id)
+    store.env.write(damaged, store.env.read(damaged)[:3000])
+    healed = []
+
+    def heal_meanwhile(path: str, data: bytes) -> bytes:
+        if path.endswith(damaged) and not healed:
+            healed.append(generate(eng, store, TOKENS, max_new_tokens=3))  # the other process
+        return data  # repair goes on with the damaged bytes it read
+
+    repairer = PackStore.open(store.path, ops=FaultyOps(corrupt_reads=heal_meanwhile))
+    repairer.repair()
+    assert healed and healed[0].quarantined and healed[0].tokens == expected
+    assert len(store.env.read(damaged)) > 3000  # the good copy the heal wrote is still there
+    assert store.verify(read_data=True)["ok"]
+    again = generate(eng, store, TOKENS, max_new_tokens=3)
+    assert again.reused_tokens == len(TOKENS) and again.tokens == expected and not again.quarantined
+
+
+def test_refused_s3_locations_leave_nothing_and_never_echo_the_secret(tmp_path):
+    """``store init s3://...`` refused for a credentials file readable by others, or for an
+    endpoint nothing listens on: one line, no root key created, the secret in no output."""
+    secret = "s3cr3t" + os.urandom(8).hex()
+    creds = tmp_path / "creds.json"
+    creds.write_text(json.dumps({"access_key_id": "kvpackprobe", "secret_access_key": secret}))
+    key = tmp_path / "root.key"
+    common = ["--root-key-file", str(key), "--endpoint", "http://127.0.0.1:9"]
+    os.chmod(creds, 0o644)
+    r = _kvpack("store", "init", "s3://kvpack-probe/x", "--s3-credentials", str(creds), *common)
+    assert r.returncode == 2 and r.stderr.startswith("kvpack: key:") and "0644" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and secret not in r.stderr + r.stdout and not key.exists()
+    os.chmod(creds, 0o600)
+    r = _kvpack("store", "init", "s3://kvpack-probe/x", "--s3-credentials", str(creds), *common, "--debug")
+    assert r.returncode == 1 and "kvpack: io:" in r.stderr and "127.0.0.1:9" in r.stderr, r.stderr
+    assert secret not in r.stderr + r.stdout and not key.exists()

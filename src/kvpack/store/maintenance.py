@@ -117,16 +117,19 @@ class _Checker:
                 problems.append({"object": None, "problem": f"cut {mid.hex()}: no final-logits object", "remove": False})
         except StoreError as exc:
             _verdict_only(exc)
-            problems.append({"object": logits_name(mid), "problem": f"{exc.category}: {exc.message}", "remove": exc.category == "corrupt"})
+            digest = _digest_of(store, logits_name(mid)) if exc.category == "corrupt" else None
+            problems.append({"object": logits_name(mid), "problem": f"{exc.category}: {exc.message}", "remove": digest is not None, "digest": digest})
         except FormatError as exc:
-            problems.append({"object": logits_name(mid), "problem": f"refused {exc.category}: {exc.message}", "remove": True})
+            digest = _digest_of(store, logits_name(mid))
+            problems.append({"object": logits_name(mid), "problem": f"refused {exc.category}: {exc.message}", "remove": digest is not None, "digest": digest})
         return problems
 
     def _pack_problem(self, mid: bytes, exc: StoreError) -> dict:
         text = f"cut {mid.hex()}: {exc.category}: {exc.message}"
         # a pack that holds another manifest, or fails its own checks, is wrong for its name
         bad_pack = exc.category == "corrupt" and "index entry" not in exc.message and mid.hex() in exc.message
-        return {"object": pack_name(mid) if bad_pack else None, "problem": text, "remove": bad_pack}
+        digest = _digest_of(self.store, pack_name(mid)) if bad_pack else None
+        return {"object": pack_name(mid) if bad_pack else None, "problem": text, "remove": digest is not None, "digest": digest}
 
     def chunk(self, manifest: Manifest, key: Any, span: Any, ref: ChunkRef) -> dict | None:
         seen = (ref.content_id, ref.object_digest)
@@ -159,7 +162,16 @@ class _Checker:
             problem = f"chunk {ref.content_id.hex()}: refused {exc.category}: {exc.message}"
         # Wrong for this manifest; is it still a valid object for its own name (another
         # encoding of the same plaintext)? Then only the cut is bad, not the object.
-        return {"object": name, "problem": problem, "remove": not _valid_for_name(obj, ref, args)}
+        return {"object": name, "problem": problem, "remove": not _valid_for_name(obj, ref, args), "digest": hashlib.sha256(obj).hexdigest()}
+
+
+def _digest_of(store: PackStore, name: str) -> str | None:
+    """SHA-256 (hex) of the object as it is now, or None if it is gone: quarantine deletes an
+    object only while it still holds exactly these bytes."""
+    try:
+        return hashlib.sha256(store.env.read(name)).hexdigest()
+    except FileNotFoundError:
+        return None
 
 
 def _verdict_only(exc: StoreError) -> None:
@@ -224,10 +236,23 @@ def quarantine(store: PackStore, node: bytes, mid: bytes | None, problems: list[
         # replaced it with a valid entry since it was read)
         if (named is None and mid is None) or (mid is not None and named == mid):
             receipt["index_entry_removed"] = store.env.delete(index_name(node), if_version=got[1])
-    for name in receipt["objects_removed"]:
-        store.env.delete(name)
+    doomed = {p["object"]: p.get("digest") for p in problems if p.get("remove") and p.get("object")}
+    receipt["objects_removed"] = [name for name in receipt["objects_removed"] if _delete_if_unchanged(store, name, doomed[name])]
     receipt["receipt"] = receipt_name
     return receipt
+
+
+def _delete_if_unchanged(store: PackStore, name: str, digest: str | None) -> bool:
+    """Delete ``name`` only while it still holds the damaged bytes the check read (SHA-256
+    ``digest``), with a compare-and-swap on its version: a publisher healing the cut
+    meanwhile rewrites it with good bytes under the same name, and deleting those would
+    break the cut it republished."""
+    if digest is None:
+        return False
+    got = store.env.read_versioned(name)
+    if got is None or hashlib.sha256(got[0]).hexdigest() != digest:
+        return False
+    return store.env.delete(name, if_version=got[1])
 
 
 def quarantine_after_refusal(store: PackStore, hit: Hit, exc: StoreError) -> dict | None:
