@@ -16,6 +16,8 @@ lists, on loopback against real nodes (mutual TLS, the arrays engine):
 * trickling peers on the observability (metrics / status) port cost one of 64 slots until a
   whole-connection deadline (they held a thread each, without limit, for as long as they
   kept trickling);
+* a local API client that half-closes after its request line (``nc -N``) gets its reply (any
+  EOF cancelled the request, with no reply), and a full close still cancels;
 * probes that found nothing, kept as regression tests: one stripe of four reset mid-stream,
   again and again, leaks no slot, route, connection or prefill slot (with and without fronts).
 """
@@ -450,3 +452,41 @@ def test_a_stripe_connection_reset_mid_transfer_again_and_again_leaks_nothing(pa
     node._advertised_port = None
     res = node.generate(_prompt(9, 2000), 2, stripes=4)
     assert res["transfer"]["stripes"] == 4
+
+
+def test_a_half_closing_client_gets_its_reply_and_a_full_close_still_cancels(pair):
+    """``nc -N`` / ``socat`` shut down their sending side after the request line and then
+    read the reply. Every EOF used to count as a hang-up: such a request was cancelled and
+    its client got no reply at all."""
+    p = pair(decode_slots=1, pacing=100_000)
+
+    def half_closed(payload: bytes) -> socket.socket:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(p.socket)
+        s.sendall(payload)
+        s.shutdown(socket.SHUT_WR)
+        return s
+
+    def reply_of(s: socket.socket) -> dict:
+        s.settimeout(60)
+        out = b""
+        while not out.endswith(b"\n"):
+            chunk = s.recv(1 << 16)
+            if not chunk:
+                break
+            out += chunk
+        s.close()
+        return json.loads(out)
+
+    line = json.dumps({"tokens": _prompt(7, 300), "max_new_tokens": 2}).encode()
+    assert reply_of(half_closed(line + b"\n"))["ok"]
+    assert reply_of(half_closed(json.dumps({"tokens": _prompt(7, 300), "max_new_tokens": 3}).encode()))["ok"]  # EOF ends the line
+    # half-closed, then gone altogether while a slow (paced) transfer runs: cancelled, slot free
+    s = half_closed(json.dumps({"tokens": _prompt(8, 1500), "max_new_tokens": 2}).encode() + b"\n")
+    assert _wait(lambda: p.receiver.slots.busy() == 1, 10)
+    time.sleep(1.0)
+    assert p.receiver.slots.busy() == 1  # still served: the half-close did not cancel it
+    s.close()
+    t_closed = time.monotonic()
+    assert _wait(lambda: p.receiver.slots.busy() == 0, 5)
+    assert time.monotonic() - t_closed < 1.0

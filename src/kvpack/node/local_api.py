@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import select
 import selectors
 import socket
 import threading
@@ -167,7 +168,9 @@ def read_request_line(conn: socket.socket, limits: ApiLimits) -> Optional[bytes]
             n = conn.recv_into(chunk)
         except socket.timeout:
             raise UsageError("usage", f"request not complete within {limits.request_read_s:g} s") from None
-        if n == 0:
+        if n == 0:  # EOF: a half-closing client's request may end without its newline
+            if buf and len(buf) <= limits.max_request_bytes:
+                return bytes(buf)
             return None
         start = len(buf)
         buf += chunk[:n]
@@ -246,12 +249,21 @@ class _Watcher:
     seconds on a many-core host (issue 14: 20 s p50 for one session). Events are acted on
     under the lock and only for a socket still registered with the same token, so once
     :meth:`unwatch` returned the watcher never reads that socket again (its descriptor may
-    be reused). A hang-up is seen within about 50 ms."""
+    be reused). A hang-up is seen within about 50 ms.
+
+    A *half-close* is not a hang-up: a client that shuts down its sending side after its
+    request line (``nc -N``, ``socat``, a script closing stdin) still reads its reply. Its
+    socket reads EOF forever, so it moves from the selector to a ``poll`` set that reports
+    only ``POLLHUP`` -- which a Unix socket raises once the peer closed both directions --
+    and is cancelled when that comes. Before, any EOF cancelled the request and the client
+    got no reply at all."""
 
     POLL_S = 0.05
 
     def __init__(self) -> None:
         self._sel = selectors.DefaultSelector()
+        self._half: dict[int, tuple[socket.socket, CancelToken]] = {}
+        self._hup = select.poll()
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="kvpack-api-watch", daemon=True)
@@ -267,14 +279,23 @@ class _Watcher:
                 self._sel.unregister(conn)
             except (KeyError, ValueError):
                 pass
+            self._forget_half(conn.fileno())
+
+    def _forget_half(self, fd: int) -> None:
+        if self._half.pop(fd, None) is not None:
+            try:
+                self._hup.unregister(fd)
+            except (KeyError, ValueError):
+                pass
 
     def _loop(self) -> None:
         while not self._stop.is_set():
-            if not self._sel.get_map():
+            if not self._sel.get_map() and not self._half:
                 self._stop.wait(self.POLL_S)
                 continue
             try:
-                events = self._sel.select(self.POLL_S)
+                events = self._sel.select(self.POLL_S) if self._sel.get_map() else []
+                hangups = self._hup.poll(0 if events or self._sel.get_map() else int(self.POLL_S * 1000))
             except (OSError, ValueError):  # a socket closed under the select: poll again
                 continue
             for key, _mask in events:
@@ -282,26 +303,46 @@ class _Watcher:
                     current = self._sel.get_map().get(key.fd)
                     if current is not None and current.data is key.data:
                         self._check(key.fileobj, key.data)
+            for fd, _ev in hangups:
+                with self._lock:
+                    entry = self._half.get(fd)
+                    if entry is not None:
+                        entry[1].cancel("the client closed its connection")
+                        self._forget_half(fd)
 
     def _check(self, conn, token: CancelToken) -> None:
+        reset = False
         try:
             data = conn.recv(4096, socket.MSG_DONTWAIT)
         except BlockingIOError:
             return
         except OSError:
-            data = b""
-        if not data:  # the client hung up (EOF or reset); the caller holds the lock
-            token.cancel("the client closed its connection")
-            try:
-                self._sel.unregister(conn)
-            except (KeyError, ValueError):
-                pass
+            data, reset = b"", True
+        if data:
+            return  # bytes after the request line: not a hang-up
+        # EOF or reset; the caller holds the lock
+        try:
+            self._sel.unregister(conn)
+        except (KeyError, ValueError):
+            pass
+        if not reset and not _hung_up(conn):
+            self._half[conn.fileno()] = (conn, token)  # half-closed: it still reads its reply
+            self._hup.register(conn, 0)
+            return
+        token.cancel("the client closed its connection")
 
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=2)
         with self._lock:
             self._sel.close()
+
+
+def _hung_up(conn: socket.socket) -> bool:
+    """True once the peer closed both directions (``POLLHUP``), not only its sending side."""
+    p = select.poll()
+    p.register(conn, 0)
+    return any(ev & (select.POLLHUP | select.POLLERR | select.POLLNVAL) for _fd, ev in p.poll(0))
 
 
 class LocalApi:
