@@ -18,6 +18,8 @@ lists, on loopback against real nodes (mutual TLS, the arrays engine):
   kept trickling);
 * a local API client that half-closes after its request line (``nc -N``) gets its reply (any
   EOF cancelled the request, with no reply), and a full close still cancels;
+* a flood of junk connections from anyone no longer replaces a request's own refusal
+  category (``identity`` from its producer's connection) with theirs (``tls``);
 * probes that found nothing, kept as regression tests: one stripe of four reset mid-stream,
   again and again, leaks no slot, route, connection or prefill slot (with and without fronts).
 """
@@ -64,7 +66,17 @@ class Pair:
     """One producer and one decode node, in process, on loopback."""
 
     def __init__(
-        self, root: str, *, prefill_slots: int = 4, pacing=None, decode_slots: int = 2, limits=None, tls_fronts=0, listen_host=None, api_limits=None
+        self,
+        root: str,
+        *,
+        prefill_slots: int = 4,
+        pacing=None,
+        decode_slots: int = 2,
+        limits=None,
+        tls_fronts=0,
+        listen_host=None,
+        api_limits=None,
+        producer_engine: str = ENGINE,
     ) -> None:
         import dataclasses
 
@@ -74,7 +86,7 @@ class Pair:
         self.pdir, self.rdir = os.path.join(root, "p"), os.path.join(root, "r")
         self.producer = ProducerNode(
             self.enrolled.producer_config(),
-            load_engine(ENGINE),
+            load_engine(producer_engine),
             receipts_dir=self.pdir,
             prefill_slots=prefill_slots,
             pacing_bytes_per_s=pacing,
@@ -490,3 +502,43 @@ def test_a_half_closing_client_gets_its_reply_and_a_full_close_still_cancels(pai
     t_closed = time.monotonic()
     assert _wait(lambda: p.receiver.slots.busy() == 0, 5)
     assert time.monotonic() - t_closed < 1.0
+
+
+def test_junk_connections_from_anyone_do_not_replace_a_requests_own_refusal_category(pair):
+    """A request reports the category of the refusal that explains it. Refusals before
+    authentication (anyone's) were appended to every waiting request and the last one won,
+    so a flood of junk connections turned the producer's own ``identity`` refusal into
+    ``tls`` -- and once 64 were recorded, a real one was dropped altogether."""
+    from kvpack.errors import KvpackError
+
+    # a producer with another engine: its begin is refused ``identity`` before admission
+    p = pair(decode_slots=1, producer_engine="arrays:4:2:16")
+    node = p.receiver
+
+    def category() -> str:
+        with pytest.raises(KvpackError) as info:
+            node.generate(_prompt(3, 300), 2)
+        return info.value.category
+
+    assert category() == "identity"
+    stop = threading.Event()
+
+    def junk() -> None:
+        while not stop.is_set():
+            try:
+                with socket.create_connection(("127.0.0.1", node.data_port), timeout=2) as s:
+                    s.sendall(b"GET / HTTP/1.0\r\n\r\n")  # not TLS: refused before authentication
+                    s.recv(16)
+            except OSError:
+                pass
+
+    threads = [threading.Thread(target=junk) for _ in range(4)]
+    for t in threads:
+        t.start()
+    try:
+        assert _wait(lambda: node.listener.snapshot()["refused_total"] > 20, 10)
+        assert [category() for _ in range(3)] == ["identity"] * 3
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=5)

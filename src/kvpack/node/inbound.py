@@ -115,7 +115,8 @@ class Pending:
     done: bool = False
     outcome: Optional[dict] = None
     error: Optional[BaseException] = None
-    refusals: list = field(default_factory=list)
+    #: the latest refusal of each rank (:data:`REFUSAL_RANKS`): what the request reports
+    refusals: dict = field(default_factory=dict)
     shared: Optional[SharedInstall] = None
     committed_stripes: dict = field(default_factory=dict)
 
@@ -150,11 +151,30 @@ class Pending:
         if complete:
             self.finish(outcome=merge_stripes(self.committed_stripes))
 
+    def refused(self, category: str, detail: str, *, authenticated: bool) -> None:
+        """Remember a refusal that may explain why this request is not served: one of its
+        producer's authenticated connections (``authenticated``), or a connection refused
+        before authentication -- by anyone: see :data:`REFUSAL_RANKS`."""
+        rank = 3 if authenticated else REFUSAL_RANKS.get(category, 1)
+        with self.lock:
+            self.refusals[rank] = (category, detail[:2000])
+
     def last_refusal(self, why: str) -> KvpackError:
-        last = self.refusals[-1] if self.refusals else None
+        """The request's error: the category of the most telling refusal seen -- the latest
+        of the highest rank -- so a flood of junk connections from anyone cannot replace the
+        producer's own refusal (``identity``, ``pin`` ...) with ``tls``."""
+        with self.lock:
+            last = self.refusals[max(self.refusals)] if self.refusals else None
         if last is None:
             return ProtocolError("aborted", why)
         return refusal_error(last[0], f"{why} (last refusal {last[0]}: {last[1][:200]})")
+
+
+#: how much a refusal before authentication says about a waiting request: a peer refused for
+#: its pin or ALPN passed the cluster CA (an enrolled node: perhaps the producer with a leaf
+#: this node does not pin); anything else (not TLS, a timeout, a self-signed certificate, a
+#: limit) can come from anyone. Refusals of the producer's authenticated connections rank 3.
+REFUSAL_RANKS = {"pin": 2, "alpn": 2}
 
 
 def merge_stripes(infos: dict[int, dict]) -> dict:

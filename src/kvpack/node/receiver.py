@@ -421,12 +421,16 @@ class ReceiverNode:
         self.metrics.transfer(reason)
         self.receipts.write({"role": "receiver", "verdict": "refused", "reason": reason, "detail": detail[:2000], **extra})
 
-    def _tls_refused(self, reason: str, detail: str, peer: str) -> None:
-        # a waiting request reports the receiver's category of the last refusal (pin,
-        # certificate ...), not a generic timeout; bounded: the last few only
+    def _tls_refused(self, reason: str, detail: str, peer: str, link: Optional[ProducerLink] = None) -> None:
+        # a waiting request reports the receiver's category of a refusal (pin, certificate
+        # ...), not a generic timeout. Before authentication the peer may be anyone: every
+        # waiting request hears of it, ranked below its producer's own refusals (Pending.
+        # refused); with ``link`` it was that producer's authenticated connection.
         for p in self.router.open():
-            if len(p.refusals) < 64:
-                p.refusals.append((reason, f"{peer}: {detail}"))
+            if link is None:
+                p.refused(reason, f"{peer}: {detail}", authenticated=False)
+            elif p.link is link:
+                p.refused(reason, f"{peer}: {detail}", authenticated=True)
 
     def _serve_data(self, chan) -> None:
         """One authenticated data connection (a worker thread of the listener)."""
@@ -443,7 +447,7 @@ class ReceiverNode:
                 err = ProtocolError("aborted", f"read timed out: no begin before the accept deadline ({exc})", remote=False)
             reason, detail = verdict_of(err)
             self.refuse(reason, detail, phase="begin", peer=chan.peer_address, peer_leaf_sha256=chan.peer.leaf_sha256, producer=link.name)
-            self._tls_refused(reason, detail, chan.peer_address)
+            self._tls_refused(reason, detail, chan.peer_address, link)
             return
         if link.unsolicited:
             self._serve_unsolicited(chan, link, raw, begin, t_conn)
@@ -460,14 +464,14 @@ class ReceiverNode:
             run = InboundRun(self, chan, pending, stripe, raw, t_conn)
         except KvpackError as exc:
             self.refuse(exc.category, exc.message, phase="begin", peer=chan.peer_address, transfer_id=m.transfer_id, generation=m.generation)
-            pending.refusals.append((exc.category, exc.message))
+            pending.refused(exc.category, exc.message, authenticated=True)
             return
         out = run.run()
         if out.error is None:
             out.info["receipt_path"] = self.receipts.write(out.info)
             pending.stripe_committed(stripe[0], out.info)
             return
-        pending.refusals.append((out.info["reason"], out.info["detail"]))
+        pending.refused(out.info["reason"], out.info["detail"], authenticated=True)
         if out.admitted:
             pending.finish(error=out.error)  # after admission a failure fails the request
         # before admission: drop this connection, keep waiting (errata M8)
@@ -494,8 +498,7 @@ class ReceiverNode:
         detail = f"transfer id {m.transfer_id[:128]!r} names no outstanding request of producer {link.name}"
         self.refuse(reason, detail, phase="begin", peer=chan.peer_address, transfer_id=m.transfer_id, generation=m.generation)
         for p in waiting:
-            if len(p.refusals) < 64:
-                p.refusals.append((reason, detail))
+            p.refused(reason, detail, authenticated=True)
 
     def _serve_unsolicited(self, chan, link: ProducerLink, raw: bytes, begin, t_conn: int) -> None:
         """C.15 without producer_control: admit any pinned producer's transfer (errata M8)."""
