@@ -417,3 +417,30 @@ def test_refused_s3_locations_leave_nothing_and_never_echo_the_secret(tmp_path):
     r = _kvpack("store", "init", "s3://kvpack-probe/x", "--s3-credentials", str(creds), *common, "--debug")
     assert r.returncode == 1 and "kvpack: io:" in r.stderr and "127.0.0.1:9" in r.stderr, r.stderr
     assert secret not in r.stderr + r.stdout and not key.exists()
+
+
+@pytest.mark.parametrize("where", ["posix", "s3"])
+def test_a_wrong_key_on_a_store_without_a_key_check_is_refused_too(request, tmp_path, where):
+    """A store.json without ``key_check`` (written before kvpack recorded one): a wrong root
+    key used to open it, every cut then failed authentication, and ``repair`` quarantined
+    every cut of the store. Open now tries the packs of the first indexed cuts and refuses
+    ``wrong_key`` when none authenticates; the right key opens it as before."""
+    from kvpack.rootkey import create_root_key
+
+    backend = _backend(request, where)
+    store = backend.new(tmp_path, encrypted=True)
+    eng = _engine()
+    session_with(eng, TOKENS[:600], store)
+    config = json.loads(store.env.read("store.json"))
+    del config["key_check"]
+    store.env.write("store.json", json.dumps(config).encode())
+    wrong = str(tmp_path / "wrong.key")
+    create_root_key(wrong)
+    before = _everything(store)
+    with pytest.raises(StoreError) as info:
+        backend.reopen(store, root_key_file=wrong)
+    assert info.value.category == "wrong_key" and "no key check" in info.value.message
+    assert _everything(store) == before
+    right = backend.reopen(store)
+    found = right.lookup_restore(TOKENS[:600], eng.new_session())
+    assert found.hit is not None and found.hit.cut == 600

@@ -17,7 +17,7 @@ import os
 from typing import Any
 
 from ..durable import REAL_OPS, FileOps
-from ..errors import KvpackError, SecurityError, StoreError
+from ..errors import FormatError, KvpackError, SecurityError, StoreError
 from ..format import constants as C
 from ..rootkey import create_root_key, load_root_key
 from .env import ObjectMissing, StorageEnv
@@ -120,11 +120,52 @@ def open_store(
         expected = config.get("key_check")
         if isinstance(expected, str) and not hmac.compare_digest(expected, key_check(root)):
             raise StoreError("wrong_key", f"the root key {key_path!r} does not open {env.location} (store.json's key check differs)")
-        return PackStore(env, config, root)
+        store = PackStore(env, config, root)
+        if not isinstance(expected, str):
+            _check_key_by_packs(store, key_path)
+        return store
     except BaseException:
         if not isinstance(location, StorageEnv):
             env.close()
         raise
+
+
+#: index entries whose packs a store without a key check in store.json is tried on
+KEY_PROBE_CUTS = 3
+
+
+def _check_key_by_packs(store: PackStore, key_path: str) -> None:
+    """A store.json without a key check (written before kvpack recorded one) cannot tell a
+    wrong root key from damage: under a wrong key every pack fails authentication, and
+    healing would quarantine every cut. Refuse ``wrong_key`` when none of the first
+    :data:`KEY_PROBE_CUTS` indexed cuts' packs authenticates under this key (an empty store
+    opens)."""
+    from ..format.pack import decode_pack
+
+    tried = 0
+    for info in store.env.list("index/"):
+        if tried >= KEY_PROBE_CUTS:
+            break
+        try:
+            mid = store._read_index(bytes.fromhex(info.name.rpartition("/")[2]))
+            data = store.env.read(f"packs/{mid.hex()}.kvpkp") if mid is not None else None
+        except (ValueError, StoreError, ObjectMissing):
+            continue  # malformed or incomplete: says nothing about the key
+        if data is None:
+            continue
+        tried += 1
+        try:
+            decode_pack(data, store.keys)
+            return  # one pack authenticates: the key is right
+        except FormatError as exc:
+            if exc.category != "authentication":
+                return  # damage of another kind (the key may well be right)
+    if tried:
+        raise StoreError(
+            "wrong_key",
+            f"the root key {key_path!r} authenticates none of the {tried} cut(s) of {store.path} tried "
+            "(store.json has no key check: written before kvpack recorded one)",
+        )
 
 
 def init_store(
