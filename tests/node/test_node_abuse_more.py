@@ -20,6 +20,8 @@ lists, on loopback against real nodes (mutual TLS, the arrays engine):
   EOF cancelled the request, with no reply), and a full close still cancels;
 * a flood of junk connections from anyone no longer replaces a request's own refusal
   category (``identity`` from its producer's connection) with theirs (``tls``);
+* a node holding silent authenticated connections stops at once (it joined each worker for
+  5 s in turn: 6 silent peers made the decode node take 30 s to stop);
 * probes that found nothing, kept as regression tests: one stripe of four reset mid-stream,
   again and again, leaks no slot, route, connection or prefill slot (with and without fronts).
 """
@@ -542,3 +544,33 @@ def test_junk_connections_from_anyone_do_not_replace_a_requests_own_refusal_cate
         stop.set()
         for t in threads:
             t.join(timeout=5)
+
+
+def test_silent_authenticated_peers_do_not_stretch_a_nodes_stop(tmp_path):
+    """Each worker waits for its silent peer's first frame (up to 30 s); stop() joined every
+    worker for 5 s in turn, so N silent authenticated peers made a stop take N x 5 s (a
+    SIGTERM'd daemon outlived a service manager's stop timeout). Now stop() shuts down the
+    served sockets and joins all workers under one deadline."""
+    from kvpack.security.tls import connect
+
+    p = Pair(str(tmp_path), decode_slots=1)
+    try:
+        data_ep = p.enrolled.producer_config().data_endpoint("decode-a")
+        ctl_ep = p.enrolled.receiver_config().control_endpoint()
+        data = [connect(data_ep, "127.0.0.1", p.receiver.data_port, timeout=10) for _ in range(6)]
+        ctl = [connect(ctl_ep, "127.0.0.1", p.producer.control_port, timeout=10) for _ in range(6)]
+        assert _wait(lambda: p.receiver.listener.snapshot()["authenticated"] == 6, 5)
+        assert _wait(lambda: p.producer.listener.snapshot()["authenticated"] == 6, 5)
+        for node in (p.receiver, p.producer):
+            t0 = time.monotonic()
+            node.stop()
+            assert time.monotonic() - t0 < 5.0, f"{type(node).__name__} took {time.monotonic() - t0:.1f} s to stop"
+        for chan in data + ctl:  # every peer sees its connection end
+            chan.settimeout(5)
+            try:
+                assert chan.recv(1) == b""
+            except Exception:  # noqa: BLE001 - a reset or a TLS close is an end too
+                pass
+            chan.close()
+    finally:
+        p.stop()

@@ -175,6 +175,8 @@ class Listener:
         self._stopping = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._workers: set[threading.Thread] = set()
+        #: the verified channels the workers serve (stop() shuts them down)
+        self._channels: set[Channel] = set()
         self._ids = itertools.count(1)
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -201,8 +203,20 @@ class Listener:
         if self.fronts is not None:
             # relayed connections end with their fronts: their workers' reads fail at once
             self.fronts.stop(join_s)
+        # in-process TLS: shut down every served socket, so a worker blocked in a read (a
+        # silent peer waits up to its first-frame deadline, 30 s) ends at once; then one
+        # deadline for all of them. Joining each for join_s made a node with N silent
+        # authenticated peers take N x join_s to stop (6 peers: 30 s).
+        with self._lock:
+            channels = list(self._channels)
+        for chan in channels:
+            try:  # the plain socket's shutdown: an SSLSocket's would drop its TLS object
+                socket.socket.shutdown(chan.sock, socket.SHUT_RDWR)
+            except (OSError, TypeError, ValueError):
+                pass
+        end = time.monotonic() + join_s
         for w in list(self._workers):
-            w.join(timeout=join_s)
+            w.join(timeout=max(0.0, end - time.monotonic()))
         for s in (self.sock, self._wake_r, self._wake_w):
             try:
                 s.close()
@@ -406,6 +420,7 @@ class Listener:
         worker = threading.Thread(target=self._work, args=(chan,), name=f"kvpack-{self.name}-{next(self._ids)}", daemon=True)
         with self._lock:
             self._workers.add(worker)
+            self._channels.add(chan)
         worker.start()
 
     def _work(self, chan: Channel) -> None:
@@ -425,6 +440,7 @@ class Listener:
                 else:
                     self._per_peer.pop(pin, None)
                 self._workers.discard(threading.current_thread())
+                self._channels.discard(chan)
 
     def snapshot(self) -> dict:
         with self._lock:
