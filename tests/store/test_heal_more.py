@@ -79,6 +79,8 @@ def _damage(store, eng, kind: str, server=None) -> None:
         env.delete(f"packs/{chain[1].manifest_id().hex()}.kvpkp")
     elif kind == "parent_pack_corrupt":
         flip(store, f"packs/{chain[1].manifest_id().hex()}.kvpkp", 150)
+    elif kind == "malformed_index_entry":
+        env.write(f"index/{top.node_id.hex()}", b"not hex at all\n")
     elif kind == "root_chunk_flipped":
         # a chunk of the full cut at the bottom of the chain: every delta above shares it
         ref = next(r for k, _s, r in chain[-1].chunk_refs() if k.layer == 0)
@@ -100,6 +102,7 @@ KINDS = [
     "parent_pack_missing",
     "parent_pack_corrupt",
     "root_chunk_flipped",
+    "malformed_index_entry",
 ]
 
 
@@ -129,7 +132,7 @@ def test_generate_quarantines_recomputes_and_republishes(request, tmp_path, wher
     assert second.quarantined, "a damaged cut must be quarantined with a receipt, not only skipped"
     receipts = names(store, "quarantine/")
     assert sorted(r["receipt"] for r in second.quarantined) == receipts
-    assert all(json.loads(store.env.read(r))["manifest_id"] for r in receipts)
+    assert all(json.loads(store.env.read(r))["node_id"] for r in receipts)
     # republished: the store verifies clean and the next run reuses the whole prompt
     assert store.verify(read_data=True)["ok"], store.verify(read_data=True)["problems"][:2]
     third = generate(eng, store, TOKENS, max_new_tokens=3)
@@ -233,6 +236,8 @@ def test_forget_of_an_unknown_cut_twice_is_a_miss_and_changes_nothing(request, t
         for text in (top.manifest_id.hex(), top.manifest_id.hex()[:12]):
             r = _kvpack("store", "forget", store.path, text)
             assert r.returncode == 1 and r.stderr.startswith("kvpack: miss:"), r.stderr
+        r = _kvpack("store", "show", store.path, bytes(32).hex())  # never stored: a miss too
+        assert r.returncode == 1 and r.stderr.startswith("kvpack: miss:"), r.stderr
         assert _everything(store) == before
 
 

@@ -208,8 +208,14 @@ def _resolve_cut(store, text: str) -> bytes:
 def cmd_show(args) -> int:
     from ..format.describe import manifest_json
 
+    from ..errors import StoreError
+    from ..store.packstore import pack_name
+
     store = _open(args)
-    chain = store.load_chain(_resolve_cut(store, args.manifest_id))
+    mid = _resolve_cut(store, args.manifest_id)
+    if not store.env.exists(pack_name(mid)):  # an unknown id is a miss, not a damaged cut
+        raise StoreError("miss", f"no stored cut has manifest id {mid.hex()}")
+    chain = store.load_chain(mid)
     print(json.dumps({"chain": [manifest_json(m) for m in chain]}, indent=None if args.json else 1))
     return 0
 

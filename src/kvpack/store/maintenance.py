@@ -272,9 +272,19 @@ def quarantine_after_refusal(store: PackStore, hit: Hit, exc: StoreError) -> dic
     return receipt
 
 
-def quarantine_incomplete(store: PackStore, node: bytes, mid: bytes) -> dict | None:
+def quarantine_incomplete(store: PackStore, node: bytes, mid: bytes | None) -> dict | None:
     """Quarantine the entry at ``node`` if it still names ``mid`` and that cut's pack or
-    final-logits object is missing (``find_deepest`` skips such entries); None otherwise."""
+    final-logits object is missing (``find_deepest`` skips such entries), or -- ``mid``
+    None -- if it is still malformed; None otherwise."""
+    if mid is None:
+        try:
+            store._read_index(node)
+            return None  # well-formed (or gone) by now
+        except StoreError as exc:
+            if exc.category != "corrupt":
+                return None
+            problem = {"object": None, "problem": f"{index_name(node)}: malformed: {exc.message}", "remove": False}
+            return quarantine(store, node, None, [problem], by="restore")
     try:
         if store._read_index(node) != mid:
             return None

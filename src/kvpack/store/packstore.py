@@ -359,7 +359,7 @@ class PackStore:
         aux: Sequence[tuple[bytes, bytes]] = (),
         *,
         require_logits: bool = True,
-        incomplete: list[tuple[bytes, bytes]] | None = None,
+        incomplete: list[tuple[bytes, bytes | None]] | None = None,
     ) -> Hit | None:
         """The deepest committed cut reusable for ``tokens`` under this exact identity:
         a 256-aligned prefix, or the whole token sequence. ``None`` is a miss.
@@ -367,15 +367,20 @@ class PackStore:
         ``require_logits=False`` also offers *prefix cuts* (saved with ``prefix_only``: no
         final-logits row, installable only as a prefix that the engine extends).
         ``incomplete``: gets ``(node id, manifest id)`` of each deeper entry skipped because
-        its cut's pack or logits object is missing (:meth:`lookup_restore` quarantines them)."""
+        its cut's pack or logits object is missing, and ``(node id, None)`` of each malformed
+        one (:meth:`lookup_restore` quarantines them)."""
         if not tokens:
             return None
         ctx = self.context(layout, ids, aux)
         chain = self._chain(ctx, tokens)
         nodes = [node for node in reversed(chain.nodes) if node.reusable or node.cumulative_count == len(tokens)]
         for node, mid in self._index_deepest_first(nodes):
-            if isinstance(mid, StoreError) or mid is None:
-                continue  # a malformed entry is not a hit (repair drops it)
+            if isinstance(mid, StoreError):
+                if incomplete is not None and mid.category == "corrupt":
+                    incomplete.append((node.node_id, None))  # malformed: quarantined too
+                continue  # a malformed entry is not a hit
+            if mid is None:
+                continue
             if not self._complete(mid):
                 if incomplete is not None:
                     incomplete.append((node.node_id, mid))
@@ -588,13 +593,14 @@ class PackStore:
         quarantined: list[dict] = []
         withdrawn = 0
         for _ in range(max_attempts):
-            incomplete: list[tuple[bytes, bytes]] = []
+            incomplete: list[tuple[bytes, bytes | None]] = []
             hit = self.find_deepest(tokens, layout, ids, aux, require_logits=require_logits, incomplete=incomplete)
             if incomplete:
                 from .maintenance import quarantine_incomplete
 
-                # an entry naming a cut whose pack or logits object is gone is damage (the
-                # index entry is written last), not only a miss: take it out with a receipt
+                # an entry naming a cut whose pack or logits object is gone (the index entry
+                # is written last), or a malformed one, is damage, not only a miss: take it
+                # out with a receipt
                 quarantined.extend(r for node, mid in incomplete if (r := quarantine_incomplete(self, node, mid)) is not None)
             if hit is None:
                 break
