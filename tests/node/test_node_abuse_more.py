@@ -22,6 +22,8 @@ lists, on loopback against real nodes (mutual TLS, the arrays engine):
   category (``identity`` from its producer's connection) with theirs (``tls``);
 * a node holding silent authenticated connections stops at once (it joined each worker for
   5 s in turn: 6 silent peers made the decode node take 30 s to stop);
+* ``--handshake-timeout`` past the listener's 600 s bound is a ``usage`` line, not an
+  ``internal`` error (exit 70);
 * probes that found nothing, kept as regression tests: one stripe of four reset mid-stream,
   again and again, leaks no slot, route, connection or prefill slot (with and without fronts).
 """
@@ -574,3 +576,22 @@ def test_silent_authenticated_peers_do_not_stretch_a_nodes_stop(tmp_path):
             chan.close()
     finally:
         p.stop()
+
+
+@pytest.mark.parametrize("role", ["producer", "receiver"])
+def test_a_handshake_timeout_past_the_limit_is_a_usage_line_not_an_internal_error(tmp_path, monkeypatch, capsys, role):
+    """``--handshake-timeout 1000`` passed the flag's duration check (7 days) and then failed
+    Limits' (0, 600] check: 'kvpack: internal: ValueError ... (a bug)', exit 70."""
+    from kvpack import cli
+    from kvpack.node import common
+
+    enrolled = Enrolled(str(tmp_path / "cluster"), load_engine(ENGINE))
+
+    def never(*_a, **_k):
+        raise AssertionError("the engine was loaded")
+
+    monkeypatch.setattr(common, "load_engine", never)
+    config = enrolled.producer_config_path() if role == "producer" else enrolled.receiver_config_path()
+    code = cli.main([role, "--config", config, "--engine", ENGINE, "--no-store", "--no-metrics", "--handshake-timeout", "1000"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("kvpack: usage: ") and "at most 600 s" in err[0], (code, err)

@@ -99,6 +99,19 @@ def duration(text: str) -> float:
 duration.__name__ = "duration"
 
 
+def duration_at_most(limit_s: float) -> Callable[[str], float]:
+    """A :func:`duration` of at most ``limit_s`` seconds (a flag whose consumer has a bound)."""
+
+    def parse(text: str) -> float:
+        seconds = duration(text)
+        if seconds > limit_s:
+            raise argparse.ArgumentTypeError(f"must be a duration of at most {limit_s:g} s, got {text!r}")
+        return seconds
+
+    parse.__name__ = "duration"
+    return parse
+
+
 def socket_address(*, allow_port_zero: bool = True) -> Callable[[str], str]:
     """``ip:port`` or ``[ipv6]:port`` (an IP literal); returned as given."""
 

@@ -15,9 +15,11 @@ import sys
 import threading
 
 from ._args import check_unix_socket_path, existing_file, max_new_tokens, not_a_file, port, port_or_zero, positive_float, socket_address, threads
-from ._args import duration, engine_spec, int_range, nonneg_int, positive_int, refuse_ignored, unix_socket_path
+from ._args import duration, duration_at_most, engine_spec, int_range, nonneg_int, positive_int, refuse_ignored, unix_socket_path
 
 METRICS_LISTEN_DEFAULT = "127.0.0.1:0"
+#: kvpack.node.transport.Limits.handshake_s allows (0, 600]
+MAX_HANDSHAKE_S = 600.0
 
 
 def _store_location_args(p: argparse.ArgumentParser) -> None:
@@ -396,7 +398,9 @@ def _limit_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-connections", type=positive_int, default=512, help="connections held on the listener in any state (half of them may be in their TLS handshake)"
     )
-    p.add_argument("--handshake-timeout", type=duration, default=5.0, help="seconds a peer has to finish its whole TLS handshake")
+    p.add_argument(
+        "--handshake-timeout", type=duration_at_most(MAX_HANDSHAKE_S), default=5.0, help="seconds a peer has to finish its whole TLS handshake (at most 600)"
+    )
 
 
 def register(sub) -> None:
