@@ -41,8 +41,12 @@ class GenerateResult:
 
 def chat_tokens(engine, prompt: str, *, chat: bool = True) -> list[int]:
     """Token ids of a user prompt, through the model's chat template when it has one."""
-    tok = engine.tokenizer
-    if chat and getattr(tok, "chat_template", None):
+    tok = getattr(engine, "tokenizer", None)
+    if tok is None and not hasattr(engine, "encode"):  # the arrays engine takes token ids only
+        from .errors import EngineError
+
+        raise EngineError("model", f"{getattr(engine, 'name', type(engine).__name__)} has no tokenizer")
+    if tok is not None and chat and getattr(tok, "chat_template", None):
         out = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
         ids = out["input_ids"] if hasattr(out, "keys") else out
         return [int(t) for t in ids]

@@ -330,6 +330,8 @@ RUNTIME_CASES = [
     _c("store init below a file", ["store", "init", "{notdir}"], 2, "usage"),
     _c("store ls on a file", ["store", "ls", "{file}"], 2, "usage"),
     _c("generate with the store on a file", ["generate", "--store", "{file}", "--prompt", "p"], 2, "usage"),
+    _c("generate with the arrays engine", ["generate", "--store", "{root}/gen-arrays", "--prompt", "p", "--engine", "arrays:2:2:8"], 2, "usage", issue=True),
+    _c("store save with muse-tiny", ["store", "save", "{store}", "--prompt", "p", "--engine", "muse-tiny"], 2, "usage", issue=True),
     # enrollment
     _c("enroll init twice", ["enroll", "init", "{cluster}"], 1, "enrollment"),
     _c("enroll node enrolled", ["enroll", "node", "{cluster}", "dec-a", "--role", "receiver"], 1, "enrollment"),
@@ -764,3 +766,14 @@ def test_walk_covers_at_least_200_cases_and_the_issue_list():
     total = len(PARSE_CASES) + len(RUNTIME_CASES) + len(SPECIAL) - 1 + len(MISSING_EXTRAS)
     assert total >= 200, total
     assert len(ISSUE_CASES) >= 23, ISSUE_CASES
+
+
+@pytest.mark.parametrize("engine", ["arrays:2:2:8", "muse-tiny"])
+def test_generate_with_an_engine_without_tokenizer_creates_no_store(tmp_path, engine):
+    """The text prompt cannot be tokenized: refused as usage before the store is created
+    (it used to be created, then the arrays engine failed as an internal error)."""
+    store = tmp_path / "s"
+    r = run_cli(["generate", "--store", str(store), "--prompt", "hello", "--engine", engine])
+    check_contract(r, 2, "usage", context="generate")
+    assert "no tokenizer" in r.line
+    assert not store.exists()

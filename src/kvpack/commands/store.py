@@ -143,9 +143,22 @@ def _open_or_init(args):
     return open_or_init(args.store, **store_kwargs(args))
 
 
+def _text_engine(args) -> None:
+    """Refuse, before any store is opened or created, an engine that cannot tokenize the
+    prompt these verbs take as text."""
+    from ..engine.registry import parse_spec
+    from ..errors import UsageError
+
+    if not parse_spec(args.engine).tokenizes:
+        raise UsageError(
+            "usage", f"--engine {args.engine} has no tokenizer: this verb takes a text prompt (use --engine smollm2; token ids go through the node daemons)"
+        )
+
+
 def cmd_generate(args) -> int:
     from ..generate import chat_tokens, generate
 
+    _text_engine(args)
     store = _open_or_init(args)
     engine = _engine(args)
     tokens = chat_tokens(engine, args.prompt, chat=not args.raw)
@@ -168,6 +181,7 @@ def cmd_generate(args) -> int:
 def cmd_save(args) -> int:
     from ..generate import chat_tokens, generate
 
+    _text_engine(args)
     store = _open(args)
     engine = _engine(args)
     tokens = chat_tokens(engine, args.prompt, chat=not args.raw)

@@ -43,6 +43,12 @@ class EngineSpec:
     text: str  # the spec as typed (canonical form)
     arrays: Optional[tuple[int, int, int, str]] = None  # layers, kv heads, head dim, dtype
 
+    @property
+    def tokenizes(self) -> bool:
+        """Whether the engine turns text into tokens (the bundled SmolLM2 only): muse-tiny and
+        the arrays engine take token ids (the node daemons' requests), not a text prompt."""
+        return self.name == "smollm2"
+
 
 def parse_spec(spec: str) -> EngineSpec:
     """Parse ``spec``; EngineError(``unsupported``) for anything not listed above."""
