@@ -306,7 +306,8 @@ def test_a_request_cancelled_while_waiting_for_a_busy_named_session_leaves_it_un
     s2 = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s2.connect(p.socket)
     s2.sendall(json.dumps({"session": "landed-1", "tokens": held + [7, 8, 9], "max_new_tokens": 1}).encode() + b"\n")
-    time.sleep(0.3)
+    assert _wait(lambda: len(node.api._tokens) == 2, 10)  # the second request is being served:
+    time.sleep(0.3)  # it waits for the session (its lock, in 0.1 s steps)
     s2.close()  # the second client leaves while it waits for the session
     t_closed = time.monotonic()
     assert _wait(lambda: len(node.api._tokens) == 1, 5), "the cancelled request kept waiting for the session"
