@@ -182,7 +182,8 @@ def test_a_store_that_lost_its_store_json_is_refused_not_reinitialised(request, 
     assert init.value.category == "usage" and "no store.json" in init.value.message
     assert _everything(store) == before  # nothing written: no store.json, no key, no object
     if where == "posix":
-        r = _kvpack("generate", "--store", store.path, "--engine", "arrays", "--raw", "--prompt", "1 2 3")
+        # the store is opened (and refused) before the bundled model would load
+        r = _kvpack("generate", "--store", store.path, "--raw", "--prompt", "1 2 3")
         assert r.returncode == 1 and r.stderr.startswith("kvpack: corrupt:") and "no store.json" in r.stderr, r.stderr
         assert len(r.stderr.strip().splitlines()) == 1
         assert _everything(store) == before
@@ -366,7 +367,7 @@ def test_a_wrong_root_key_is_a_clear_refusal_that_writes_nothing(request, tmp_pa
     assert _everything(store) == before
     if where == "posix":
         for argv in (
-            ["generate", "--store", store.path, "--engine", "arrays", "--raw", "--prompt", "1 2 3"],
+            ["generate", "--store", store.path, "--raw", "--prompt", "1 2 3"],
             ["store", "repair", store.path],
             ["store", "gc", store.path],
         ):
@@ -449,3 +450,23 @@ def test_a_wrong_key_on_a_store_without_a_key_check_is_refused_too(request, tmp_
     right = backend.reopen(store)
     found = right.lookup_restore(TOKENS[:600], eng.new_session())
     assert found.hit is not None and found.hit.cut == 600
+
+
+@pytest.mark.parametrize("kind", ["missing_pack", "missing_logits", "malformed_index_entry"])
+def test_the_vllm_planner_quarantines_the_damaged_entries_it_passes_over(request, tmp_path, kind):
+    """The vLLM connector's scheduler-side lookup (PrefixPlanner) takes the next shallower
+    cut past an index entry whose cut lost its pack or logits object, or that is malformed,
+    and quarantines that entry with a receipt, as generate's lookup does (it used to skip it
+    and leave it for every later lookup to skip again)."""
+    from kvpack.integrations.vllm.prefix import PrefixPlanner
+
+    store, eng, _server = _published(request, "posix", tmp_path)
+    damaged = store.find_deepest(TOKENS, eng.layout, eng.ids())
+    _damage(store, eng, kind)
+    assert not [i for i in store.env.list("quarantine/")]
+    plan = PrefixPlanner(store, eng.layout, eng.ids(), block_size=16).lookup(TOKENS, 0)
+    assert 0 < plan.stored < damaged.cut  # the next shallower cut
+    receipts = [i.name for i in store.env.list("quarantine/")]
+    assert receipts, "no receipt for the damaged entry"
+    assert not store.env.exists(f"index/{damaged.node_id.hex()}")
+    assert store.find_deepest(TOKENS, eng.layout, eng.ids()).cut == plan.stored

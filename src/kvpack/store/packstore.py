@@ -543,6 +543,31 @@ class PackStore:
         return bytes(plaintext[32:])
 
     # -- healing (kvpack.store.maintenance) ----------------------------------------------------
+    def find_deepest_healing(
+        self,
+        tokens: Sequence[int],
+        layout: CacheLayout,
+        ids: IdentityIds,
+        aux: Sequence[tuple[bytes, bytes]] = (),
+        *,
+        require_logits: bool = True,
+        quarantined: list[dict] | None = None,
+    ) -> Hit | None:
+        """:meth:`find_deepest`, and every index entry it had to pass over as damaged -- one
+        naming a cut whose pack or logits object is gone (the index entry is written last),
+        or a malformed one -- is quarantined with a receipt (appended to ``quarantined``):
+        damage, not only a miss. Used by :meth:`lookup_restore`, the daemons' ladder and the
+        vLLM connector, so each lookup leaves the index cleaner than it found it."""
+        incomplete: list[tuple[bytes, bytes | None]] = []
+        hit = self.find_deepest(tokens, layout, ids, aux, require_logits=require_logits, incomplete=incomplete)
+        if incomplete:
+            from .maintenance import quarantine_incomplete
+
+            receipts = [r for node, mid in incomplete if (r := quarantine_incomplete(self, node, mid)) is not None]
+            if quarantined is not None:
+                quarantined.extend(receipts)
+        return hit
+
     def restore_healing(
         self, hit: Hit, session: Any, tokens: Sequence[int], *, aux: Sequence[tuple[bytes, bytes]] = (), require_logits: bool = True
     ) -> tuple[RestoreReport | None, dict | None]:
@@ -593,15 +618,7 @@ class PackStore:
         quarantined: list[dict] = []
         withdrawn = 0
         for _ in range(max_attempts):
-            incomplete: list[tuple[bytes, bytes | None]] = []
-            hit = self.find_deepest(tokens, layout, ids, aux, require_logits=require_logits, incomplete=incomplete)
-            if incomplete:
-                from .maintenance import quarantine_incomplete
-
-                # an entry naming a cut whose pack or logits object is gone (the index entry
-                # is written last), or a malformed one, is damage, not only a miss: take it
-                # out with a receipt
-                quarantined.extend(r for node, mid in incomplete if (r := quarantine_incomplete(self, node, mid)) is not None)
+            hit = self.find_deepest_healing(tokens, layout, ids, aux, require_logits=require_logits, quarantined=quarantined)
             if hit is None:
                 break
             report, receipt, was_withdrawn = self._restore_healing(hit, session, tokens, aux=aux, require_logits=require_logits)

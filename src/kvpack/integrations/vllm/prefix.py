@@ -145,7 +145,7 @@ class PrefixPlanner:
         """The stored cut covering most of ``prompt[:-1]``: the tail cut of this very prompt
         (the chain's final node at ``len - 1``) or the deepest 256-aligned cut, which may lie
         at ``len`` itself (saved by a longer prompt; the load clips it)."""
-        find = self.store.find_deepest
+        find = self.store.find_deepest_healing  # damaged entries it passes over are quarantined
         best = find(prompt[:-1], self.layout, self.ids, require_logits=False) if len(prompt) > 1 else None
         if best is not None and best.cut == len(prompt) - 1:
             return best
