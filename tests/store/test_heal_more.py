@@ -470,3 +470,18 @@ def test_the_vllm_planner_quarantines_the_damaged_entries_it_passes_over(request
     assert receipts, "no receipt for the damaged entry"
     assert not store.env.exists(f"index/{damaged.node_id.hex()}")
     assert store.find_deepest(TOKENS, eng.layout, eng.ids()).cut == plan.stored
+
+
+@pytest.mark.parametrize("kind", ["missing_pack", "malformed_index_entry"])
+def test_the_decode_nodes_ladder_quarantines_the_damaged_entries_it_passes_over(request, tmp_path, kind):
+    """The daemons' reuse ladder plans from the durable tier past a damaged index entry (a
+    shallower cut) and quarantines that entry with a receipt, like generate's lookup."""
+    from kvpack.node.ladder import Ladder, ResidentRadix
+
+    store, eng, _server = _published(request, "posix", tmp_path)
+    damaged = store.find_deepest(TOKENS, eng.layout, eng.ids())
+    _damage(store, eng, kind)
+    plan = Ladder(eng, ResidentRadix(), store).plan(TOKENS)  # the damaged cut is the whole prompt
+    assert plan.tier == "durable" and 0 < plan.matched < damaged.cut
+    assert [i.name for i in store.env.list("quarantine/")], "no receipt for the damaged entry"
+    assert not store.env.exists(f"index/{damaged.node_id.hex()}")

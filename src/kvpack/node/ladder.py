@@ -7,7 +7,7 @@ Before a decode node asks a producer to prefill a prompt it looks for KV it alre
    time is not what a chunked prefill computes, docs/engine.md "History");
 2. **resident** -- :class:`ResidentRadix`, an in-memory token radix of recently installed
    prompt prefixes, scoped by the engine's exact identity digest and bounded in bytes;
-3. **durable** -- the node's :class:`~kvpack.store.PackStore` (``find_deepest``);
+3. **durable** -- the node's :class:`~kvpack.store.PackStore` (``find_deepest_healing``);
 4. **remote** -- the producer (a full or delta handoff).
 
 :func:`kvpack.handoff.delta.classify_reuse` decides what a match is worth: a hit reaching
@@ -308,7 +308,8 @@ class Ladder:
         if res is not None:
             candidates.append(res)
         if self.store is not None:
-            hit = self.store.find_deepest(tokens, self.engine.layout, self.engine.identity.ids())
+            # index entries passed over as damaged are quarantined on the way (a receipt each)
+            hit = self.store.find_deepest_healing(tokens, self.engine.layout, self.engine.identity.ids())
             if hit is not None:
                 candidates.append(HeldPrefix("durable", tuple(tokens[: hit.cut]), (hit, tuple(tokens[: hit.cut]))))
         # 1. anything reaching prompt-1 serves locally (live first: it costs nothing)
