@@ -100,8 +100,22 @@ def decode_with_progress(session, max_new_tokens: int, stop_token_ids: list[int]
     return tokens
 
 
+def check_context(engine, prompt_tokens: int, max_new_tokens: int) -> None:
+    """Refuse (``usage``) a request whose prompt plus ``max_new_tokens`` exceeds the engine's
+    context, before any work: it would otherwise fail mid-decode after its prefill (and hold
+    a decode slot until then). Like vLLM and OpenAI-style servers, the bound is strict even
+    though an end-of-sequence token might have stopped the decode earlier."""
+    limit = int(getattr(engine, "max_context", 0) or 0)
+    if limit and prompt_tokens + max_new_tokens > limit:
+        from .errors import UsageError
+
+        raise UsageError("usage", f"a prompt of {prompt_tokens} tokens plus max_new_tokens {max_new_tokens} exceeds the engine's context of {limit} tokens")
+
+
 def generate(engine, store: PackStore | None, prompt_tokens: list[int], *, max_new_tokens: int = 32, save: bool = True) -> GenerateResult:
     from .progress import status
+
+    check_context(engine, len(prompt_tokens), max_new_tokens)
 
     t0 = time.perf_counter()
     session = engine.new_session()

@@ -901,6 +901,9 @@ class ReceiverNode:
         eos = getattr(getattr(self.engine, "tokenizer", None), "eos_token_id", None)
         stops = [eos] if eos is not None and req["stop_at_eos"] else []
         n = req["max_new_tokens"]
+        from ..generate import check_context
+
+        check_context(self.engine, len(tokens), n)  # before a slot or a named session is taken
         if req.get("session") is not None:
             res = self.continue_session(req["session"], tokens, n, stop_token_ids=stops, cancel=cancel)
         else:
