@@ -75,6 +75,9 @@ from .wire import TileGeometry, copy_prefix, pack_tile, span_layout, tile_pieces
 EXPIRY_MS = 900_000  # errata H3: prefilld's begin expires 900 s after creation
 MAX_ERROR = 1024
 ACK_WAIT_S = 60.0
+#: how long an abort lets the stripe threads stop on their own (they check every 0.1 s) before
+#: it interrupts the channels of those still blocked in a write or an ack read
+ABORT_GRACE_S = 1.0
 #: the longest a request waits for an earlier job's prefix to enter the resident tier
 REMEMBER_WAIT_S = 10.0
 
@@ -591,19 +594,25 @@ class _Job:
         writer.start()
         try:
             try:
-                while True:
-                    item = stripe.q.get()
+                while not self._aborting:
+                    try:
+                        item = stripe.q.get(timeout=0.1)
+                    except queue.Empty:
+                        continue
                     if item is None:
                         break
                     payload, seg = item
                     if callable(payload):  # a tile of a resident prefix: packed here, in parallel
                         payload = payload()
                     self._to_writer(stripe, (stripe.sender.send_segment(payload, seg), True))
-                self._to_writer(stripe, (stripe.sender.seal(), False))
+                if not self._aborting:  # an aborted stripe is never sealed
+                    self._to_writer(stripe, (stripe.sender.seal(), False))
             finally:
-                stripe.out.put(None)  # a failed writer drains its queue: this never blocks for long
+                # a failed writer drains its queue, and _abort_stripes interrupts a stuck one:
+                # this never blocks for long
+                stripe.out.put(None)
             writer.join()
-            if stripe.error is not None:
+            if stripe.error is not None or self._aborting:
                 return
             self._await_ack(stripe)
         except BaseException as exc:  # noqa: BLE001 - reported by the job thread (_check)
@@ -614,6 +623,8 @@ class _Job:
         while True:
             if stripe.error is not None:
                 raise stripe.error
+            if self._aborting:
+                raise _Cancelled()
             try:
                 stripe.out.put(item, timeout=0.1)
                 return
@@ -752,20 +763,28 @@ class _Job:
         self._aborting = True  # a feeder still queueing tiles stops at its next check
         if self._feeder is not None:
             self._feeder.join(timeout=5)
+        # A stripe's threads own its sender and its TLS channel until they end: OpenSSL objects
+        # are not thread-safe, so nothing here writes, reads or closes a channel a stripe
+        # thread may still be inside of (that corrupted memory: a sendall of the abort frames
+        # beside the writer thread's, or beside the stripe thread's read of its ack).
+        deadline = time.monotonic() + ABORT_GRACE_S
         for s in self.stripes:
-            try:
-                s.q.put_nowait(None)  # a stripe thread waiting for work has an empty queue
-            except queue.Full:
-                pass
-            try:
-                for b in s.sender.abort():
-                    s.channel.sendall(b)
-            except (KvpackError, OSError):
-                pass
-            s.channel.close()  # unblocks a sender thread stuck in a write
+            if s.thread is not None:  # idle or framing: it sees _aborting within 0.1 s
+                s.thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        stuck = [s for s in self.stripes if s.thread is not None and s.thread.is_alive()]
+        for s in stuck:
+            s.channel.interrupt()  # a write to a peer that stopped reading, or an ack read
+        for s in stuck:
+            s.thread.join(timeout=5)  # type: ignore[union-attr]
         for s in self.stripes:
-            if s.thread is not None:
-                s.thread.join(timeout=5)
+            if s not in stuck and (s.thread is None or not s.thread.is_alive()):
+                try:  # no thread uses this channel or sender any more: tell the receiver
+                    for b in s.sender.abort():
+                        s.channel.sendall(b)
+                except (KvpackError, OSError):
+                    pass
+            if s.thread is None or not s.thread.is_alive():
+                s.channel.close()
 
     def _account(self, reused: int, tier: str, prefill_s: float) -> None:
         node, stripes = self.node, self.stripes

@@ -362,6 +362,22 @@ class SocketChannel:
         except OSError:
             pass
 
+    def interrupt(self) -> None:
+        """Shut the connection down in both directions at the socket, so a thread blocked
+        reading or writing it gets an error. The TLS object is not touched: OpenSSL objects
+        are not thread-safe, so this is the one thing another thread may do to a channel
+        that a thread is inside of (sending on it or closing it then may corrupt memory)."""
+        try:
+            dup = socket.socket(fileno=os.dup(self.fileno()))
+        except (OSError, ValueError):
+            return  # already closed
+        try:
+            dup.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        finally:
+            dup.close()
+
     def __enter__(self) -> Self:
         return self
 
