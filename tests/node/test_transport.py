@@ -5,6 +5,7 @@ reach protocol code; refusals are aggregated, not one receipt each."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import threading
@@ -184,3 +185,66 @@ def test_bind_failures_are_one_typed_line():
     with pytest.raises(NetworkError) as info:
         bind_tcp("192.0.2.77", 0, "data listener")
     assert info.value.category == "address_not_available"
+
+
+def _drain(fd):
+    got = b""
+    while True:
+        try:
+            chunk = os.read(fd, 65536)
+        except BlockingIOError:
+            return got
+        if not chunk:
+            return got
+        got += chunk
+
+
+def test_a_hung_refusal_log_disk_never_stops_accepts(cluster, tmp_path):
+    # the refusal summary's file is a FIFO nobody reads: opening it for writing blocks
+    # forever, like a write to a hung disk. The summary used to be written on the accept
+    # thread (count -> flush -> append): after the first refused connection the listener
+    # accepted nothing more.
+    fifo = str(tmp_path / "refusals.log")
+    os.mkfifo(fifo)
+    refusals = RefusalLog("receiver", fifo, interval_s=0.0)
+    ep = cluster.receiver_config().data_endpoint()
+    lst = Listener("test", bind_tcp("127.0.0.1", 0, "data listener"), ep, server_context(ep), _echo, refusals=refusals).start()
+    try:
+        for _ in range(3):  # refused before authentication: not TLS at all
+            with socket.create_connection(("127.0.0.1", lst.port), timeout=5) as s:
+                s.sendall(b"GET / HTTP/1.0\r\n\r\n" * 4)
+                s.settimeout(5)
+                try:
+                    s.recv(16)
+                except OSError:
+                    pass
+        assert _eventually(lambda: refusals.snapshot()["writer_stuck_s"] is not None)
+        assert _eventually(lambda: sum(lst.snapshot()["refusals"].values()) >= 3)
+        # the writer is stuck in the log's open(); accepts and handshakes go on
+        assert [_legit(cluster, lst.port) for _ in range(3)] == [b"hello"] * 3
+        assert refusals.flush(timeout=0.2) is None  # a stuck writer holds a flush only this long
+        assert refusals.lines_written == 0
+        counted = sum(lst.snapshot()["refusals"].values())
+    finally:
+        reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # the disk answers again
+        try:
+            lst.stop()  # its final flush waits for the writer, now unblocked
+            refusals.close(timeout=5.0)
+            written = _drain(reader)
+        finally:
+            os.close(reader)
+    # every refusal counted while the disk hung went out in the summary lines
+    lines = [json.loads(x) for x in written.splitlines()]
+    assert lines and all(x["event"] == "refusals" for x in lines)
+    assert sum(sum(x["counts"].values()) for x in lines) == counted
+
+
+def test_a_failing_refusal_log_write_costs_the_line_not_the_counts(tmp_path):
+    rlog = RefusalLog("producer", str(tmp_path / "missing-dir" / "refusals.log"), interval_s=0.0)
+    for i in range(50):
+        rlog.count("handshake_timeout", "idle", f"127.0.0.1:{i}")
+    rlog.flush(timeout=5.0)
+    rlog.close(timeout=5.0)
+    snap = rlog.snapshot()
+    assert snap["totals"] == {"handshake_timeout": 50}
+    assert snap["write_failures"] >= 1 and snap["writer_stuck_s"] is None

@@ -271,6 +271,7 @@ class ProducerNode:
     def stop(self) -> None:
         if self.listener is not None:
             self.listener.stop()
+            self.refusal_log.close(timeout=0.5)  # its writer thread ends (at once, or when a hung write returns)
         elif self._sock is not None:
             self._sock.close()
         self.metrics.close()

@@ -17,7 +17,8 @@ thread and hung the local API. So the rules here are:
 * **Refusals before authentication are aggregated.** A peer that has not passed mutual TLS
   gets no receipt: :class:`RefusalLog` counts it by reason, remembers the last detail, and
   writes one summary line per interval to the log and to a size-capped file
-  (``refusals.log``, rotated once to ``refusals.log.1``).
+  (``refusals.log``, rotated once to ``refusals.log.1``) -- from its own writer thread, so a
+  hung disk never stops a listener's accept thread.
 
 What it must never do: raise out of a write, write an unbounded field, or grow the directory
 past its budget.
@@ -253,9 +254,16 @@ class RefusalLog:
     receipt rate): counters by reason, the last detail of each, one summary line per
     ``interval_s`` to the log and to ``path`` (capped at ``max_bytes``, rotated once).
 
-    :meth:`count` is cheap (a lock, a dict update) and never raises or blocks on I/O for
-    longer than one small append.
+    :meth:`count` is called on a listener's accept thread: it is a lock and a dict update,
+    never I/O. The summary lines are written by the log's own *writer thread* (started on
+    the first summary due): a hung or slow disk (or log handler) stalls only that thread;
+    the counts keep accumulating in memory (bounded: one counter and one 200-character
+    detail per reason) and go out in the next line once the disk answers. A failing write
+    costs the line (``write_failures``), never a refusal count (the metrics have them).
     """
+
+    #: how long :meth:`flush` waits for the writer by default (a node's stop on a hung disk)
+    FLUSH_WAIT_S = 2.0
 
     def __init__(
         self, role: str, path: Optional[str] = None, *, interval_s: float = 10.0, max_bytes: int = 1 << 20, on_count: Optional[Callable[[str], None]] = None
@@ -271,6 +279,17 @@ class RefusalLog:
         self._lock = threading.Lock()
         self._flushed = time.monotonic()
         self.write_failures = 0
+        #: summary lines written (to the log and, with ``path``, appended to the file)
+        self.lines_written = 0
+        self._wake = threading.Event()
+        self._done = threading.Condition(self._lock)
+        self._requested = 0  # flush requests made; the writer answers them in order
+        self._answered = 0
+        self._last_line: Optional[dict] = None
+        self._writer: Optional[threading.Thread] = None
+        self._closed = False
+        #: True while the writer is inside a write (the status page shows a stuck disk)
+        self.writing_since: Optional[float] = None
 
     def count(self, reason: str, detail: str = "", peer: str = "") -> None:
         reason = _name_part(reason, "refused")
@@ -279,16 +298,45 @@ class RefusalLog:
             self._window[reason] += 1
             self._last[reason] = (f"{peer}: " if peer else "") + detail[:200]
             due = time.monotonic() - self._flushed >= self.interval_s
+            if due:
+                self._flushed = time.monotonic()  # one wake per interval, however many count
         if self.on_count is not None:
             try:
                 self.on_count(reason)
             except Exception:  # noqa: BLE001 - metrics must not break the accept path
                 pass
         if due:
-            self.flush()
+            self._kick()
 
-    def flush(self) -> Optional[dict]:
-        """Write one summary of the refusals counted since the last flush (if any)."""
+    def _kick(self) -> None:
+        """Wake the writer thread (start it first if needed); never waits for it."""
+        with self._lock:
+            if self._closed:
+                return
+            if self._writer is None:
+                self._writer = threading.Thread(target=self._write_loop, name=f"kvpack-{self.role}-refusals", daemon=True)
+                self._writer.start()
+        self._wake.set()
+
+    def _write_loop(self) -> None:
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            with self._lock:
+                upto = self._requested
+            try:
+                line = self._write_summary()
+            except Exception:  # noqa: BLE001 - the writer never dies; the counters stay
+                line = None
+                self.write_failures += 1
+            with self._lock:
+                self._last_line = line
+                self._answered = max(self._answered, upto)
+                self._done.notify_all()
+                if self._closed:
+                    return
+
+    def _write_summary(self) -> Optional[dict]:
         with self._lock:
             self._flushed = time.monotonic()
             if not self._window:
@@ -303,9 +351,41 @@ class RefusalLog:
             self._window.clear()
         from ..logs import event
 
-        event(log, "refusals", level=logging.WARNING, **{k: v for k, v in line.items() if k != "event"})
-        self._append(json.dumps(line, sort_keys=True).encode() + b"\n")
+        self.writing_since = time.monotonic()
+        try:
+            event(log, "refusals", level=logging.WARNING, **{k: v for k, v in line.items() if k != "event"})
+            self._append(json.dumps(line, sort_keys=True).encode() + b"\n")
+        finally:
+            self.writing_since = None
+        self.lines_written += 1
         return line
+
+    def flush(self, timeout: Optional[float] = None) -> Optional[dict]:
+        """Have the writer write one summary of the refusals counted since the last one (if
+        any) and wait for it at most ``timeout`` seconds (default :attr:`FLUSH_WAIT_S`).
+        Returns the line written, or None (nothing to write, or the writer did not finish
+        in time: a hung disk never holds the caller longer than ``timeout``)."""
+        wait = self.FLUSH_WAIT_S if timeout is None else timeout
+        with self._lock:
+            self._requested += 1
+            ticket = self._requested
+        self._kick()
+        end = time.monotonic() + wait
+        with self._lock:
+            while self._answered < ticket:
+                left = end - time.monotonic()
+                if left <= 0:
+                    return None
+                self._done.wait(left)
+            return self._last_line
+
+    def close(self, timeout: Optional[float] = None) -> None:
+        """Write the last summary (waiting at most ``timeout``) and end the writer thread
+        (at once, or when a hung write returns); later counts are only counted."""
+        self.flush(timeout)
+        with self._lock:
+            self._closed = True
+        self._wake.set()
 
     def _append(self, data: bytes) -> None:
         if self.path is None:
@@ -327,4 +407,11 @@ class RefusalLog:
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
-            return {"totals": dict(self.totals), "last": dict(self._last), "write_failures": self.write_failures}
+            since = self.writing_since
+            return {
+                "totals": dict(self.totals),
+                "last": dict(self._last),
+                "write_failures": self.write_failures,
+                "lines_written": self.lines_written,
+                "writer_stuck_s": None if since is None else round(time.monotonic() - since, 3),
+            }

@@ -358,6 +358,7 @@ class ReceiverNode:
         if self.listener is not None:
             self.listener.stop()  # stops the fronts too
             self.listener = None
+            self.refusal_log.close(timeout=0.5)  # its writer thread ends (at once, or when a hung write returns)
         elif self._sock is not None:
             self._sock.close()
         if self._fronts is not None:
