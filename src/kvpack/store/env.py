@@ -153,6 +153,14 @@ class StorageEnv(abc.ABC):
         (hex) gc must treat as live while the lease is held, even if no index entry names
         them any more. Waits (bounded) for a conflicting holder; raises StoreError("locked")."""
 
+    def check_lease(self) -> AbstractContextManager[None]:
+        """What a read-only check (``verify``) holds while it reads: never a write to the
+        store, so a check works with read-only credentials or on a read-only mount. Default
+        (S3): nothing at all. A check that races gc may then see a cut's objects vanish; it
+        re-reads that cut's index entry before it reports a problem, and a cut no longer
+        indexed was withdrawn, not damaged (:func:`kvpack.store.maintenance.verify`)."""
+        return nullcontext(None)
+
     def protected(self) -> set[str]:
         """Manifest ids (hex) protected by live leases of other processes (gc reads this
         after its mark phase)."""

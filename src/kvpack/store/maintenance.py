@@ -197,16 +197,26 @@ def _valid_for_name(obj: bytes, ref: ChunkRef, args: dict) -> bool:
 
 def verify(store: PackStore, *, read_data: bool = True) -> dict:
     """Check every indexed cut: packs and index bindings (always), and with ``read_data``
-    every chunk and logits object byte by byte (restic-style ``check --read-data``)."""
+    every chunk and logits object byte by byte (restic-style ``check --read-data``).
+
+    Read-only: it writes nothing to the store (no lease object, no lock file, no receipt),
+    so it runs with read-only S3 credentials or on a read-only mount. Where gc may run beside
+    it without waiting (S3, or a directory without a lock file yet), a cut whose index entry
+    no longer names it once its check found problems was forgotten or replaced meanwhile:
+    counted in ``withdrawn``, not reported as a problem."""
     problems: list[str] = []
-    cuts = 0
-    with store.env.lease(RESTORE):
+    cuts = withdrawn = 0
+    # read-only: no lease object, no lock file created, no receipt (env.check_lease)
+    with store.env.check_lease():
         checker = _Checker(store, read_data)
         for node, mid in index_entries(store, problems):
             found = checker.cut(node, mid)
+            if found and store._read_index(node) != mid:
+                withdrawn += 1  # forgotten or replaced while checked (gc may have taken its objects)
+                continue
             problems.extend(p["problem"] if p["problem"].startswith("cut ") else f"cut {mid.hex()}: {p['problem']}" for p in found)
             cuts += 1
-    return {"cuts": cuts, "chunks_checked": checker.chunks_checked, "problems": problems, "ok": not problems}
+    return {"cuts": cuts, "chunks_checked": checker.chunks_checked, "problems": problems, "ok": not problems, "withdrawn": withdrawn}
 
 
 def quarantine(store: PackStore, node: bytes, mid: bytes | None, problems: list[dict], *, by: str) -> dict:

@@ -198,6 +198,37 @@ class PosixEnv(StorageEnv):
         finally:
             lock.release()  # closing releases the flock
 
+    @contextmanager
+    def check_lease(self) -> Iterator[None]:
+        """A shared flock through a read-only descriptor of the existing lock file, so gc
+        (which locks exclusively) waits for the check; nothing is created or written. A store
+        on a read-only mount or one the caller may not write takes it all the same (flock
+        needs no write access); one without a lock file yet is checked without it."""
+        try:
+            fd = os.open(self._p("lock"), os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+        except OSError as exc:
+            if exc.errno not in (errno.ENOENT, errno.EACCES, errno.EPERM, errno.ELOOP):
+                raise StoreError("io", f"open {self._p('lock')}: {exc.strerror or exc}") from None
+            fd = -1
+        if fd < 0:
+            yield None
+            return
+        try:
+            deadline = time.monotonic() + self.lock_timeout_s
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                    break
+                except OSError as exc:
+                    if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                        raise StoreError("io", f"flock {self._p('lock')}: {exc.strerror or exc}") from None
+                if time.monotonic() >= deadline:
+                    raise StoreError("locked", f"{self.root}: another process held the store lock for {self.lock_timeout_s:.0f} s")
+                time.sleep(0.005)
+            yield None
+        finally:
+            os.close(fd)
+
     def now(self) -> float:
         return time.time()
 

@@ -3,7 +3,8 @@ the ``weed`` binary).
 
 One :class:`SeaweedServer` is one ``weed server -s3`` process with its own data directory,
 its own ports (kvpack.testing.ports: below the ephemeral range, so no outgoing connection takes one before the server binds it) and its own S3
-identity (random access key and secret, written to a 0600 credentials file). ``start``
+identities (random access keys and secrets, each written to a 0600 credentials file): one
+that may do everything, and one that may only read and list (``readonly_credentials_file``). ``start``
 waits (bounded) until the S3 port answers and then until an object round trip works (PUT and
 GET of the same bytes: the gateway answers a moment before the volume server serves);
 ``kill`` SIGKILLs it and ``start`` brings it back on the same ports and data (the
@@ -56,9 +57,22 @@ class SeaweedServer:
             "credentials": [{"accessKey": self.access_key, "secretKey": self.secret_key}],
             "actions": ["Admin", "Read", "Write", "List", "Tagging"],
         }
-        _write_private(self.s3_config, json.dumps({"identities": [identity]}).encode())
+        # a second identity that may read and list but never write or delete: what a
+        # read-only check of a store (``kvpack store verify``) is proven against
+        self.readonly_access_key = "kvpackro" + secrets.token_hex(6)
+        self.readonly_secret_key = secrets.token_hex(20)
+        readonly = {
+            "name": "kvpack-readonly",
+            "credentials": [{"accessKey": self.readonly_access_key, "secretKey": self.readonly_secret_key}],
+            "actions": ["Read", "List"],
+        }
+        _write_private(self.s3_config, json.dumps({"identities": [identity, readonly]}).encode())
         self.credentials_file = os.path.join(self.workdir, "credentials.json")
         _write_private(self.credentials_file, json.dumps({"access_key_id": self.access_key, "secret_access_key": self.secret_key}).encode())
+        self.readonly_credentials_file = os.path.join(self.workdir, "readonly-credentials.json")
+        _write_private(
+            self.readonly_credentials_file, json.dumps({"access_key_id": self.readonly_access_key, "secret_access_key": self.readonly_secret_key}).encode()
+        )
         self.proc: subprocess.Popen | None = None
         self.log_path = os.path.join(self.workdir, "weed.log")
 
