@@ -81,6 +81,7 @@ class Pair:
         listen_host=None,
         api_limits=None,
         producer_engine: str = ENGINE,
+        stripe_connect_s: float = 10.0,
     ) -> None:
         import dataclasses
 
@@ -95,6 +96,7 @@ class Pair:
             prefill_slots=prefill_slots,
             pacing_bytes_per_s=pacing,
             metrics_port=None,
+            stripe_connect_s=stripe_connect_s,
         ).start()
         self.enrolled.producer_listening("prefill-a", self.producer.control_port)
         self.socket = os.path.join(tempfile.mkdtemp(prefix="kvm-"), "r.sock")
@@ -466,6 +468,76 @@ def test_a_stripe_connection_reset_mid_transfer_again_and_again_leaks_nothing(pa
         assert _wait(lambda: node.listener.snapshot()["connections"] == 0, 5), snap
         assert _wait(lambda: p.producer._slots._value == p.producer.prefill_slots, 5)
     assert not [r for r in receipts(p.rdir) if r["verdict"] == "committed" and r.get("stripe", [0, 1])[1] == 4]
+    node._advertised_port = None
+    res = node.generate(_prompt(9, 2000), 2, stripes=4)
+    assert res["transfer"]["stripes"] == 4
+
+
+class _HoldProxy(_ResetProxy):
+    """A relay to the decode node's data port that relays every connection but its
+    ``victim``-th, which it accepts and holds silent (a stalled stripe: its TLS handshake
+    never completes). ``accepted_while_held``: connections accepted after the victim."""
+
+    def __init__(self, target: int, victim: int) -> None:
+        self.held: list[socket.socket] = []
+        self.accepted_while_held = 0
+        super().__init__(target, victim=-1, after=0)
+        self.hold = victim
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.sock.accept()
+            except OSError:
+                return
+            index, self.accepted = self.accepted, self.accepted + 1
+            if self.held:
+                self.accepted_while_held += 1
+            if index == getattr(self, "hold", -1):
+                self.held.append(client)
+                continue
+            server = socket.create_connection(("127.0.0.1", self.target))
+            t = threading.Thread(target=self._relay, args=(client, server, index), daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def close(self) -> None:
+        for c in self.held:
+            c.close()
+        super().close()
+
+
+def test_stripes_connect_concurrently_and_one_stalled_stripe_aborts_all(pair):
+    """A striped job connects its stripes at once under one deadline. Stripe 0's connection
+    is held silent (its handshake never completes): the other three connect meanwhile (they
+    connected one after another before, so none did while stripe 0 stalled, and the job
+    waited a full handshake timeout per stripe), the job fails at the connect deadline, the
+    three open stripes are aborted: nothing installed, no stripe committed, nothing held;
+    the next striped request commits."""
+    from kvpack.errors import KvpackError
+
+    p = pair(decode_slots=1, stripe_connect_s=2.0)
+    node = p.receiver
+    node.generate(_prompt(1, 300), 2)
+    before = [(list(s.session.tokens), s.session.cache_digest()) for s in node.slots.slots]
+    proxy = _HoldProxy(node.data_port, victim=0)
+    node._advertised_port = proxy.port
+    try:
+        with pytest.raises(KvpackError) as info:
+            node.generate(_prompt(2, 2000), 2, stripes=4)
+        assert proxy.held and proxy.accepted_while_held == 3, (proxy.accepted, proxy.accepted_while_held)
+    finally:
+        proxy.close()
+    assert info.value.category == "aborted", info.value
+    failed = receipts(p.pdir)[-1]  # the producer's job: failed at the connect deadline, stripe named
+    assert failed["verdict"] == "failed" and failed["reason"] == "tls" and "stripe 0 of 4" in failed["detail"], failed
+    assert [(list(s.session.tokens), s.session.cache_digest()) for s in node.slots.slots] == before  # nothing installed
+    assert node.slots.busy() == 0 and not node.router.open()
+    assert _wait(lambda: node.listener.snapshot()["connections"] == 0, 5)
+    assert _wait(lambda: p.producer._slots._value == p.producer.prefill_slots, 5)
+    assert not [r for r in receipts(p.rdir) if r["verdict"] == "committed" and r.get("stripe", [0, 1])[1] == 4]
+    aborted = [r for r in receipts(p.rdir) if r["verdict"] != "committed" and r.get("stripe", [0, 1])[1] == 4]
+    assert len(aborted) == 3, [(r.get("stripe"), r["reason"]) for r in aborted]  # the three that connected, each refused
     node._advertised_port = None
     res = node.generate(_prompt(9, 2000), 2, stripes=4)
     assert res["transfer"]["stripes"] == 4

@@ -16,7 +16,8 @@ Figure 30.1 of seed 003, steps 1-6 and the answer, from this side:
    receipt counts only what was really computed; tiles a resident prefix already holds are
    shipped from it at once, while the prefix is copied into the job's session;
 3. it connects back to ``receiver_host:receiver_port`` on the data ALPN with its own leaf,
-   pinning the receiver's leaf and checking its SAN (errata H1) -- once per stripe;
+   pinning the receiver's leaf and checking its SAN (errata H1) -- once per stripe, every
+   stripe at once under one deadline (``stripe_connect_s``); any stripe that fails aborts all;
 4. each stripe's begin (deferred mode, as upstream's resident producer; ``prefix_cut`` when
    the receiver armed a delta valid for this prompt) leaves at once;
 5. each tile leaves as soon as the prefill chunk that completes it ran, on the stripe it
@@ -75,6 +76,8 @@ from .wire import TileGeometry, copy_prefix, pack_tile, span_layout, tile_pieces
 EXPIRY_MS = 900_000  # errata H3: prefilld's begin expires 900 s after creation
 MAX_ERROR = 1024
 ACK_WAIT_S = 60.0
+#: one deadline for connecting all the stripes of a job, concurrently (TCP, TLS, begin)
+STRIPE_CONNECT_S = 10.0
 #: how long an abort lets the stripe threads stop on their own (they check every 0.1 s) before
 #: it interrupts the channels of those still blocked in a write or an ack read
 ABORT_GRACE_S = 1.0
@@ -183,6 +186,7 @@ class ProducerNode:
         limits: Optional[Limits] = None,
         prefill_slots: int = 4,
         max_stripes: int = 8,
+        stripe_connect_s: float = STRIPE_CONNECT_S,
         slot_wait_s: float = 10.0,
         request_read_s: float = 30.0,
     ) -> None:
@@ -205,6 +209,8 @@ class ProducerNode:
         self.wire_tap = wire_tap
         self.limits = limits or Limits()
         self.max_stripes = max_stripes
+        #: one deadline for connecting every stripe of a job (TCP, mutual TLS, its begin)
+        self.stripe_connect_s = stripe_connect_s
         self.slot_wait_s = slot_wait_s
         self.request_read_s = request_read_s
         self._slots = threading.BoundedSemaphore(max(1, prefill_slots))
@@ -567,15 +573,76 @@ class _Job:
         )
 
     def _open_stripes(self, gens: list[int]) -> None:
+        """Connect every stripe at once -- TCP, mutual TLS and its begin, each on its own
+        thread -- under one deadline for all (``stripe_connect_s``). The first failure (or
+        the deadline, or the receiver going away on the control connection) ends the wait at
+        once: the stripes already open are aborted (abort frames, then closed: the receiver
+        installs nothing), and a stripe still connecting aborts and closes itself when its
+        connect returns (its own deadline is the same). Before, the stripes connected one
+        after another, each with a full handshake timeout: one stalled stripe held the job
+        (and its prefill slot) for ``k`` x 10 s."""
         node = self.node
         ep, ctx = node._data[self.receiver.name]
         key = node._keys[self.receiver.name]
-        for i, gen in enumerate(gens):
-            sender = Sender(self._manifest(gen, i), key, prefix_cut=self.cut, hash_executor=node._hash_pool or INLINE)
-            chan = connect(ep, self.req.receiver_host, self.req.receiver_port, context=ctx)
-            stripe = _StripeOut(i, sender, chan)
-            self.stripes.append(stripe)
-            self._write(stripe, sender.begin())
+        senders = [Sender(self._manifest(gen, i), key, prefix_cut=self.cut, hash_executor=node._hash_pool or INLINE) for i, gen in enumerate(gens)]
+        end = time.monotonic() + node.stripe_connect_s
+        lock = threading.Lock()
+        opened: dict[int, _StripeOut] = {}
+        failed: list[tuple[int, BaseException]] = []
+        state = {"abandoned": False}
+        done = threading.Event()
+
+        def open_one(i: int) -> None:
+            stripe: Optional[_StripeOut] = None
+            try:
+                chan = connect(ep, self.req.receiver_host, self.req.receiver_port, context=ctx, timeout=max(0.001, end - time.monotonic()))
+                stripe = _StripeOut(i, senders[i], chan)
+                chan.settimeout(max(0.001, end - time.monotonic()))  # the begin too, within the deadline
+                self._write(stripe, senders[i].begin())
+                chan.settimeout(None)
+            except BaseException as exc:  # noqa: BLE001 - reported to the job thread
+                if stripe is not None:
+                    stripe.channel.close()
+                with lock:
+                    failed.append((i, exc))
+                done.set()
+                return
+            with lock:
+                if not state["abandoned"]:
+                    opened[i] = stripe
+                    if len(opened) == len(gens):
+                        done.set()
+                    return
+            # the job gave up meanwhile: this stripe is ours alone to abort
+            try:
+                for b in stripe.sender.abort():
+                    stripe.channel.sendall(b)
+            except (KvpackError, OSError):
+                pass
+            stripe.channel.close()
+
+        for i in range(len(gens)):
+            threading.Thread(target=open_one, args=(i,), name=f"kvpack-producer-connect-{i}", daemon=True).start()
+        error: Optional[BaseException] = None
+        while not done.wait(0.1):
+            if readable(self.ctl.sock):
+                error = _Cancelled()
+                break
+            if time.monotonic() > end + 1.0:  # connect() keeps the deadline; a last resort
+                error = ProtocolError("aborted", f"striped transfer: stripes not connected within {node.stripe_connect_s:g} s", remote=False)
+                break
+        with lock:
+            state["abandoned"] = True
+            self.stripes = [opened[i] for i in sorted(opened)]  # aborted by _abort_stripes on failure
+            if error is None and failed:
+                i, exc = min(failed, key=lambda f: f[0])
+                error = exc
+                if isinstance(exc, KvpackError) and len(gens) > 1:
+                    error = type(exc)(exc.category, f"stripe {i} of {len(gens)}: {exc.message}")
+        if error is None and len(self.stripes) != len(gens):
+            error = ProtocolError("aborted", "striped transfer: a stripe did not connect", remote=False)
+        if error is not None:
+            raise error
         for stripe in self.stripes:
             stripe.thread = threading.Thread(target=self._stripe_loop, args=(stripe,), name=f"kvpack-producer-stripe-{stripe.index}", daemon=True)
             stripe.thread.start()
