@@ -31,6 +31,8 @@ store verifies on the CPU as before.
 
 from __future__ import annotations
 
+import ctypes
+import sys
 import threading
 from typing import Any
 
@@ -247,7 +249,38 @@ def launch(jobs, out, count: int, stream=None) -> None:
         return
     kernel = _kernel(jobs.device)
     blocks = -(-count // JOBS_PER_BLOCK)
-    kernel(grid=(blocks, 1, 1), block=(THREADS_PER_BLOCK, 1, 1), args=[jobs, out, int(count)], stream=stream)
+    driver = _launcher()
+    if driver is None:
+        kernel(grid=(blocks, 1, 1), block=(THREADS_PER_BLOCK, 1, 1), args=[jobs, out, int(count)], stream=stream)
+        return
+    # The same cuLaunchKernel call torch's kernel wrapper makes, without its per-call driver
+    # library load (a fresh ctypes.CDLL and function lookup each launch: ~4 % of a 131k
+    # restore's installing thread on the H200, docs/benchmarks.md).
+    if not jobs.is_cuda or not (out.is_cuda or out.is_pinned()):
+        raise ValueError("the job table must be on the device and the digests on the device or pinned")
+    if stream is None:
+        stream = _torch().cuda.current_stream(jobs.device)
+    table, digests, n = ctypes.c_void_p(jobs.data_ptr()), ctypes.c_void_p(out.data_ptr()), ctypes.c_int(int(count))
+    params = (ctypes.c_void_p * 3)(ctypes.addressof(table), ctypes.addressof(digests), ctypes.addressof(n))
+    rc = driver(kernel.func, blocks, 1, 1, THREADS_PER_BLOCK, 1, 1, 0, stream._as_parameter_, params, None)
+    if rc != 0:
+        raise RuntimeError(f"GPU SHA-256 launch failed: CUDA driver error {rc}")
+
+
+_driver: list[Any] = []
+
+
+def _launcher() -> Any:
+    """``cuLaunchKernel`` from the CUDA driver, loaded once; ``None`` where torch's own
+    wrapper must launch (ROCm, Windows)."""
+    if not _driver:
+        torch = _torch()
+        fn = None
+        if not torch.version.hip and sys.platform != "win32":
+            fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernel
+            fn.restype = ctypes.c_int
+        _driver.append(fn)
+    return _driver[0]
 
 
 _latency: dict[tuple[int, int], float] = {}
