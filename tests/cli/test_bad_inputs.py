@@ -445,6 +445,7 @@ RUNTIME_CASES = [
     _c("receiver given the producer config", ["receiver", "--config", "{pcfg}", "--engine", ENGINE], 2, "config"),
     _c("producer given the receiver config", ["producer", "--config", "{rcfg}", "--engine", ENGINE], 2, "config"),
     _c("receiver other engine identity", ["receiver", "--config", "{rcfg}", "--engine", "arrays:4:2:16", "--no-metrics", *LOOSE_GATE], 2, "config"),
+    _c("producer other engine identity", ["producer", "--config", "{pcfg}", "--engine", "arrays:4:2:16", "--no-metrics", "--no-store"], 2, "config"),
     _c("receiver metrics on a public address", ["receiver", "--config", "{rcfg}", "--engine", ENGINE, "--metrics-listen", "0.0.0.0:0"], 2, "usage"),
     _c("receiver --threads 0", ["receiver", "--config", "{rcfg}", "--threads", "0"], 2, "usage", issue=True),
     _c("receiver --socket over 107 bytes", ["receiver", "--config", "{rcfg}", "--socket", "{long_sock}"], 2, "usage", issue=True),

@@ -78,6 +78,19 @@ class Enrolled:
     def producer_config(self, producer="prefill-a"):
         return load_producer_config(self.producer_config_path(producer))
 
+    def producer_config_without_identities(self, producer="prefill-a"):
+        """The producer's config as written before enrollment recorded each receiver's
+        identity: the producer then starts with any engine (and its receivers refuse its
+        begins ``identity``), which the tests of the receiver's own check need."""
+
+        def drop(obj) -> None:
+            for entry in obj["receivers"]:
+                entry.pop("identity", None)
+                entry.pop("target_cache_identity_sha256", None)
+
+        edit_config(self.producer_config_path(producer), drop)
+        return self.producer_config(producer)
+
 
 class Proxy:
     """A loopback TCP relay ``listen_port -> target_port`` that counts (and may tamper with)

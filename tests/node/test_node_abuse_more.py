@@ -90,7 +90,8 @@ class Pair:
         self.enrolled = Enrolled(os.path.join(root, "cluster"), self.engine)
         self.pdir, self.rdir = os.path.join(root, "p"), os.path.join(root, "r")
         self.producer = ProducerNode(
-            self.enrolled.producer_config(),
+            # another engine than the receiver's: a config from before recorded identities (else it refuses to start)
+            self.enrolled.producer_config() if producer_engine == ENGINE else self.enrolled.producer_config_without_identities(),
             load_engine(producer_engine),
             receipts_dir=self.pdir,
             prefill_slots=prefill_slots,

@@ -46,7 +46,8 @@ class Nodes:
         self.strict_producer = strict_producer
         self.engine = load_engine(ENGINE)
         self.enrolled = Enrolled(os.path.join(self.tmp, "cluster"), self.engine, producers=("prefill-a", "prefill-b"))
-        self.pcfg = self.enrolled.producer_config()
+        # a producer of another engine: its config must predate recorded identities, or it refuses to start
+        self.pcfg = self.enrolled.producer_config() if producer_engine is None else self.enrolled.producer_config_without_identities()
         self.rdir = os.path.join(self.tmp, "rreceipts")
         self.pdir = os.path.join(self.tmp, "preceipts")
         self.producer_engine = producer_engine or load_engine(ENGINE)
@@ -273,6 +274,33 @@ def test_identity_mismatch_is_refused(nodes):
     last = n.refused()[-1]
     assert last["reason"] == "identity" and last["phase"] == "begin" and last["segments"] == 0
     assert n.receiver.ledger.snapshot() == {}
+
+
+def test_a_producer_with_another_engine_than_its_receivers_admit_refuses_to_start(tmp_path):
+    """The producer checks its loaded engine against the identity each receiver of its config
+    was enrolled to admit, before it serves. Before, it started, took generations and
+    prefilled every request, and every begin was refused ``identity`` at the receiver."""
+    from kvpack.node.producer import GenerationLedger
+
+    engine = load_engine(ENGINE)
+    enrolled = Enrolled(str(tmp_path / "cluster"), engine)
+    cfg = enrolled.producer_config()
+    assert all(r.identity is not None and r.target_cache_identity_sha256 for r in cfg.receivers)
+    for other in (
+        ArrayEngine(array_layout(layers=4, kv_heads=2, head_dim=8, dtype="f32"), name="another-model"),  # another model
+        load_engine("arrays:4:2:16"),  # another geometry: another target cache identity too
+    ):
+        node = ProducerNode(cfg, other, receipts_dir=str(tmp_path / "p"), metrics_port=None)
+        with pytest.raises(SecurityError) as info:
+            node.start()
+        assert info.value.category == "config" and "receiver 'decode-a' admits" in info.value.message, info.value
+        assert node.listener is None  # never served
+        node.stop()
+    ledger = GenerationLedger(cfg.generation_ledger)  # the lock released; no generation taken
+    assert ledger.next == 1
+    ledger.close()
+    ok = ProducerNode(cfg, engine, receipts_dir=str(tmp_path / "p"), metrics_port=None).start()  # the right engine starts
+    ok.stop()
 
 
 def test_wrong_client_certificate_is_refused(nodes, tmp_path):

@@ -255,6 +255,7 @@ class ProducerNode:
         self.layout = span_layout(self.engine.layout)
         self.geometry = TileGeometry.of(self.engine.layout)
         self.exact, self.target = wire_identity(self.engine)
+        self._check_identity()
         self.identity_digest = self.engine.identity.ids().digest()
         # each stripe's sender hashes a large tile's own digest on this pool while it feeds
         # the running digest (kvpack.handoff.hashing: the core never starts threads itself)
@@ -273,6 +274,25 @@ class ProducerNode:
         if self._metrics_port is None or self.metrics.port is not None:
             return
         self.metrics.serve(self._metrics_port)
+
+    def _check_identity(self) -> None:
+        """Refuse to serve with an engine whose identity is not the one every receiver of
+        this config was enrolled to admit (before: the producer started, prefilled each
+        request, and every begin was refused ``identity`` by the receiver)."""
+        mine = self.exact.to_json()
+        for r in self.config.receivers:
+            if r.identity is None:
+                continue  # a config written before enrollment recorded identities
+            if r.identity != mine or r.target_cache_identity_sha256 != self.target:
+                which = "identity" if r.identity != mine else "target cache identity"
+                diff = sorted(k for k in set(mine) | set(r.identity) if mine.get(k) != r.identity.get(k)) if r.identity != mine else []
+                raise SecurityError(
+                    "config",
+                    f"{self.config.path}: the loaded engine's {which} differs from the one receiver {r.name!r} admits"
+                    f"{' (' + ', '.join(diff) + ')' if diff else ''}: run the --engine and --threads the cluster's identity was "
+                    "written with (the thread count is part of the identity), or re-enroll with this engine's identity "
+                    "(kvpack identity --engine ... --threads ...)",
+                )
 
     def stop(self) -> None:
         if self.listener is not None:

@@ -373,6 +373,9 @@ _PRODUCER_REQUIRED = {
     "receivers",
 }
 _RECEIVER_ENTRY = {"name", "server_name", "leaf_sha256", "hmac_key_file", "hmac_key_id", "hmac_epoch"}
+#: what that receiver admits (enrollment writes them; configs written before may lack them):
+#: the producer refuses to start with an engine of another identity
+_RECEIVER_ENTRY_OPTIONAL = frozenset({"identity", "target_cache_identity_sha256"})
 
 
 @dataclass(frozen=True)
@@ -385,6 +388,10 @@ class ProducerReceiver:
     hmac_key_file: str
     hmac_key_id: str
     hmac_epoch: int
+    #: the ExactIdentityV1 and target cache identity this receiver admits (None: a config
+    #: written before enrollment recorded them; the receiver still refuses a begin of another)
+    identity: dict[str, str] | None = None
+    target_cache_identity_sha256: str | None = None
 
 
 @dataclass(frozen=True)
@@ -442,7 +449,9 @@ def load_producer_config(path: str | os.PathLike[str], *, check_files: bool = Tr
     receivers = []
     names: set[str] = set()
     for i, entry in enumerate(entries):
-        e = _Fields(entry, f"{f.where}.receivers[{i}]", required=set(_RECEIVER_ENTRY))
+        e = _Fields(entry, f"{f.where}.receivers[{i}]", required=set(_RECEIVER_ENTRY), optional=_RECEIVER_ENTRY_OPTIONAL)
+        if e.has("identity") != e.has("target_cache_identity_sha256"):
+            raise SecurityError("config", f"{e.where}: identity and target_cache_identity_sha256 must appear together")
         name = e.string("name", hi=253, pattern=_SERVER_NAME)
         if name in names:
             raise e.refuse("name", f"duplicates receiver {name!r}")
@@ -457,6 +466,8 @@ def load_producer_config(path: str | os.PathLike[str], *, check_files: bool = Tr
                 hmac_key_file=_resolve(base, e.string("hmac_key_file")),
                 hmac_key_id=e.string("hmac_key_id", lo=1, hi=128, byte_length=True),
                 hmac_epoch=e.integer("hmac_epoch", 1, U64_MAX),
+                identity=parse_identity(entry["identity"], f"{e.where}.identity") if e.has("identity") else None,
+                target_cache_identity_sha256=e.hex64("target_cache_identity_sha256") if e.has("target_cache_identity_sha256") else None,
             )
         )
     if check_files:

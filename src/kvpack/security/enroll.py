@@ -654,16 +654,19 @@ def producer_config_json(nodes: dict[str, Any], pairs: list[dict[str, Any]], nam
         if pair["producer"] != name:
             continue
         r = pair["receiver"]
-        receivers.append(
-            {
-                "name": r,
-                "server_name": r,
-                "leaf_sha256": [nodes[r]["leaf_sha256"]],
-                "hmac_key_file": f"hmac/{pair['key_id']}.key",
-                "hmac_key_id": pair["key_id"],
-                "hmac_epoch": pair["epoch"],
-            }
-        )
+        entry: dict[str, Any] = {
+            "name": r,
+            "server_name": r,
+            "leaf_sha256": [nodes[r]["leaf_sha256"]],
+            "hmac_key_file": f"hmac/{pair['key_id']}.key",
+            "hmac_key_id": pair["key_id"],
+            "hmac_epoch": pair["epoch"],
+        }
+        ident = nodes[r].get("identity")
+        if ident:  # what this receiver admits: the producer refuses to start with another engine
+            entry["identity"] = ident["identity"]
+            entry["target_cache_identity_sha256"] = ident["target_cache_identity_sha256"]
+        receivers.append(entry)
     if not receivers:
         return None
     return {
