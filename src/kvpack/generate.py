@@ -34,6 +34,9 @@ class GenerateResult:
     #: receipts of stored cuts that failed verification: quarantined, treated as a miss and
     #: recomputed (then republished by this run's save)
     quarantined: list[dict] = field(default_factory=list)
+    #: stored index entries the lookup passed over because the storage failed to read them
+    #: (``kvpack: io`` messages, one per entry): a miss, recomputed, never quarantined
+    unreadable: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -122,11 +125,13 @@ def generate(engine, store: PackStore | None, prompt_tokens: list[int], *, max_n
     reused = reused_bytes = 0
     restore_s = 0.0
     quarantined: list[dict] = []
+    unreadable: list[str] = []
     if store is not None:
         # a stored cut that fails verification is a miss (quarantined, recomputed below)
         with status("looking up and restoring the deepest stored prefix (verified) ..."):
             found = store.lookup_restore(prompt_tokens, session, layout=engine.layout, ids=engine.identity.ids())
         quarantined = found.quarantined
+        unreadable = [u.error.message for u in found.unreadable]
         if found.hit is not None and found.report is not None:
             reused, reused_bytes, restore_s = found.hit.cut, found.report.bytes_verified, found.report.seconds
     checkpoints: dict[int, bytes] = {}
@@ -183,4 +188,5 @@ def generate(engine, store: PackStore | None, prompt_tokens: list[int], *, max_n
         saved_cuts=saved,
         manifest_id=manifest_id,
         quarantined=quarantined,
+        unreadable=unreadable,
     )

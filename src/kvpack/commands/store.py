@@ -169,6 +169,12 @@ def cmd_generate(args) -> int:
     print(result.text)
     for receipt in result.quarantined:
         print(f"-- quarantined a stored cut that failed verification ({receipt['problems'][0][:160]}); recomputed it", file=sys.stderr)
+    if result.unreadable:
+        print(
+            f"-- {len(result.unreadable)} stored index entr{'y' if len(result.unreadable) == 1 else 'ies'} could not be read "
+            f"({result.unreadable[0][:160]}); passed over as a miss and recomputed, nothing quarantined",
+            file=sys.stderr,
+        )
     print(
         f"-- reused {result.reused_tokens} tokens ({result.reused_bytes / 1e6:.1f} MB verified in {result.restore_s:.3f} s), "
         f"prefilled {result.prefilled_tokens} tokens in {result.prefill_s:.3f} s; TTFT {result.ttft_s:.3f} s; "

@@ -58,6 +58,32 @@ log = logging.getLogger("kvpack.node.metrics")
 CSP = "default-src 'none'; style-src 'unsafe-inline'; img-src data:; frame-ancestors 'none'; base-uri 'none'; form-action 'none'"
 
 
+class _StoreCounters:
+    """A collector of a PackStore handle's own counters (plain ints it keeps; see
+    :class:`kvpack.store.packstore.PackStore`)."""
+
+    SERIES = (
+        (
+            "kvpack_store_unreadable_entries",
+            "unreadable_entries",
+            "Index entries store lookups passed over because the storage failed to read them (a miss; never quarantined)",
+        ),
+        ("kvpack_store_withdrawn_restores", "withdrawn_restores", "Store restores that ended as a miss because their cut was forgotten while they ran"),
+    )
+
+    def __init__(self, role: str, store: Any) -> None:
+        self.role = role
+        self.store = store
+
+    def collect(self) -> Any:
+        from prometheus_client.core import CounterMetricFamily
+
+        for name, attribute, helptext in self.SERIES:
+            family = CounterMetricFamily(name, helptext, labels=["role"])
+            family.add_metric([self.role], float(getattr(self.store, attribute, 0) or 0))
+            yield family
+
+
 class NodeMetrics:
     def __init__(self, role: str) -> None:
         from .status import StatusBoard
@@ -109,6 +135,15 @@ class NodeMetrics:
     def reservation(self, ok: bool, seconds: float) -> None:
         self.reservations.labels(self.role, "ok" if ok else "failed").inc()
         self.reserve_s.labels(self.role).observe(seconds)
+
+    def watch_store(self, store: Any) -> None:
+        """Export the node's pack-store handle's lookup counters, read at every scrape
+        (``kvpack_store_unreadable_entries_total``, ``kvpack_store_withdrawn_restores_total``).
+        Once per registry: a second call is ignored."""
+        if getattr(self, "_store_watched", False):
+            return
+        self._store_watched = True
+        self.registry.register(_StoreCounters(self.role, store))
 
     def describe_engine(self, engine: Any) -> dict[str, str]:
         """Set ``kvpack_model_info`` from an engine (any adapter); returns the labels."""

@@ -329,6 +329,8 @@ def attach_receiver(node: Any, *, cluster_dir: str | None = None) -> None:
     board: StatusBoard = node.metrics.status
     cluster_dir = cluster_dir or getattr(node.metrics, "cluster_dir", None)
     store_usage = _StoreUsage(node.store) if getattr(node, "store", None) is not None else None
+    if getattr(node, "store", None) is not None:
+        node.metrics.watch_store(node.store)  # lookup counters (unreadable entries, withdrawn restores)
     labels = node.metrics.describe_engine(node.engine)
 
     def snapshot() -> Snapshot:
@@ -372,6 +374,8 @@ def attach_producer(node: Any, *, cluster_dir: str | None = None) -> None:
     board: StatusBoard = node.metrics.status
     cluster_dir = cluster_dir or getattr(node.metrics, "cluster_dir", None)
     store_usage = _StoreUsage(node.store) if getattr(node, "store", None) is not None else None
+    if getattr(node, "store", None) is not None:
+        node.metrics.watch_store(node.store)  # lookup counters (unreadable entries, withdrawn restores)
     labels = node.metrics.describe_engine(node.engine)
 
     def snapshot() -> Snapshot:

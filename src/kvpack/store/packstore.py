@@ -37,7 +37,7 @@ import numpy as np
 from ..durable import REAL_OPS, FileOps
 from ..engine.contract import CacheLayout, Engine, IdentityIds
 from ..engine.restore import Buffer, ChunkJob, RestoreTuning, default_workers, install_chunks
-from ..errors import FormatError, StoreError
+from ..errors import DurableIOError, FormatError, StoreError
 from ..format import constants as C
 from ..format.chunk import ChunkHeader, decode_chunk, verify_chunk_standalone
 from ..format.identity import PrefixChain, auxiliary_root, prefix_context
@@ -133,16 +133,31 @@ class CutWithdrawn(StoreError):
         self.hit = hit
 
 
+@dataclass(frozen=True)
+class Unreadable:
+    """An index entry a lookup passed over because reading it -- or looking at its cut's
+    pack and final-logits objects -- failed with an I/O error (EIO, an S3 5xx, a timeout, a
+    server that is down): ``error`` is that ``StoreError("io")``. A miss for the caller
+    (it recomputes), never a verdict on the stored bytes: nothing is quarantined or deleted,
+    and the entry serves again once the storage reads."""
+
+    node_id: bytes
+    error: StoreError
+
+
 @dataclass
 class Lookup:
     """What :meth:`PackStore.lookup_restore` did: the cut restored (or None: a miss), the
-    receipts of cuts it quarantined on the way, and how many cuts it found were withdrawn
-    (forgotten or replaced) while it restored them (:class:`CutWithdrawn`)."""
+    receipts of cuts it quarantined on the way, how many cuts it found were withdrawn
+    (forgotten or replaced) while it restored them (:class:`CutWithdrawn`), and the index
+    entries it passed over because the storage failed to read them (:class:`Unreadable`,
+    one per entry)."""
 
     hit: Hit | None
     report: RestoreReport | None
     quarantined: list[dict] = field(default_factory=list)
     withdrawn: int = 0
+    unreadable: list[Unreadable] = field(default_factory=list)
 
 
 @dataclass
@@ -246,6 +261,10 @@ class PackStore:
         #: restores of this handle that ended as a :class:`CutWithdrawn` miss (a counter
         #: for the daemons' and the benchmarks' reports; never reset here)
         self.withdrawn_restores = 0
+        #: index entries lookups of this handle passed over because the storage failed to
+        #: read them or their cut's objects (:class:`Unreadable`; a counter like
+        #: ``withdrawn_restores``, never reset here)
+        self.unreadable_entries = 0
         #: threads a save writes chunk objects on (None: ``2 * workers``, see
         #: :func:`kvpack.store.publish.save_threads`); benchmarks compare counts with it
         self.save_writers: int | None = None
@@ -360,6 +379,7 @@ class PackStore:
         *,
         require_logits: bool = True,
         incomplete: list[tuple[bytes, bytes | None]] | None = None,
+        unreadable: list[Unreadable] | None = None,
     ) -> Hit | None:
         """The deepest committed cut reusable for ``tokens`` under this exact identity:
         a 256-aligned prefix, or the whole token sequence. ``None`` is a miss.
@@ -368,24 +388,45 @@ class PackStore:
         final-logits row, installable only as a prefix that the engine extends).
         ``incomplete``: gets ``(node id, manifest id)`` of each deeper entry skipped because
         its cut's pack or logits object is missing, and ``(node id, None)`` of each malformed
-        one (:meth:`lookup_restore` quarantines them)."""
+        one (:meth:`lookup_restore` quarantines them).
+
+        An entry the storage fails to read -- the entry itself, or the existence and header
+        checks of its cut's pack and logits objects (EIO, an S3 5xx or timeout, the server
+        down) -- is passed over like a miss, never taken for damage: it is counted in
+        ``unreadable_entries`` and appended to ``unreadable`` (:class:`Unreadable`), and the
+        next shallower entry is tried. A malformed entry is ``corrupt`` (damage); an
+        unreadable one says nothing about the stored bytes."""
         if not tokens:
             return None
         ctx = self.context(layout, ids, aux)
         chain = self._chain(ctx, tokens)
         nodes = [node for node in reversed(chain.nodes) if node.reusable or node.cumulative_count == len(tokens)]
+
+        def passed_over(node_id: bytes, exc: StoreError) -> None:
+            self.unreadable_entries += 1
+            if unreadable is not None:
+                unreadable.append(Unreadable(node_id, exc))
+
         for node, mid in self._index_deepest_first(nodes):
             if isinstance(mid, StoreError):
-                if incomplete is not None and mid.category == "corrupt":
+                if mid.category != "corrupt":
+                    passed_over(node.node_id, mid)  # the storage failed: not a verdict
+                elif incomplete is not None:
                     incomplete.append((node.node_id, None))  # malformed: quarantined too
-                continue  # a malformed entry is not a hit
+                continue  # neither is a hit
             if mid is None:
                 continue
-            if not self._complete(mid):
+            try:
+                complete = self._complete(mid)
+                prefix_cut = complete and require_logits and self._is_prefix_cut(mid)
+            except StoreError as exc:
+                passed_over(node.node_id, exc)
+                continue
+            if not complete:
                 if incomplete is not None:
                     incomplete.append((node.node_id, mid))
                 continue
-            if require_logits and self._is_prefix_cut(mid):
+            if prefix_cut:
                 continue
             return Hit(mid, node.cumulative_count, node.node_id)
         return None
@@ -397,8 +438,10 @@ class PackStore:
         try:
             head = self.env.read_range(logits_name(mid), 0, C.HEADER_BYTES)
             return len(head) == C.HEADER_BYTES and ChunkHeader.parse(head).plaintext_bytes == PREFIX_MARKER_BYTES
-        except (ObjectMissing, OSError, FormatError):
+        except (ObjectMissing, FormatError):
             return False
+        except OSError as exc:  # not the env's: env reads raise StoreError("io") (find_deepest: Unreadable)
+            raise StoreError("io", f"read {logits_name(mid)}: {exc.strerror or exc}") from None
 
     # -- save (kvpack.store.publish) ---------------------------------------------------------
     def save(self, session: Any, **kw: Any) -> SaveReport:
@@ -552,18 +595,37 @@ class PackStore:
         *,
         require_logits: bool = True,
         quarantined: list[dict] | None = None,
+        unreadable: list[Unreadable] | None = None,
     ) -> Hit | None:
         """:meth:`find_deepest`, and every index entry it had to pass over as damaged -- one
         naming a cut whose pack or logits object is gone (the index entry is written last),
         or a malformed one -- is quarantined with a receipt (appended to ``quarantined``):
         damage, not only a miss. Used by :meth:`lookup_restore`, the daemons' ladder and the
-        vLLM connector, so each lookup leaves the index cleaner than it found it."""
+        vLLM connector, so each lookup leaves the index cleaner than it found it.
+
+        Entries the storage failed to read are passed over and never quarantined
+        (:class:`Unreadable`, appended to ``unreadable``); so is a damaged entry whose
+        quarantine itself fails to read or write (the storage went away meanwhile): the
+        lookup still answers, and the entry is healed by a later lookup."""
         incomplete: list[tuple[bytes, bytes | None]] = []
-        hit = self.find_deepest(tokens, layout, ids, aux, require_logits=require_logits, incomplete=incomplete)
+        hit = self.find_deepest(tokens, layout, ids, aux, require_logits=require_logits, incomplete=incomplete, unreadable=unreadable)
         if incomplete:
             from .maintenance import quarantine_incomplete
 
-            receipts = [r for node, mid in incomplete if (r := quarantine_incomplete(self, node, mid)) is not None]
+            receipts = []
+            for node, mid in incomplete:
+                try:
+                    receipt = quarantine_incomplete(self, node, mid)
+                except (StoreError, DurableIOError) as exc:
+                    if isinstance(exc, StoreError) and exc.category in ("corrupt", "incomplete"):
+                        raise
+                    err = exc if isinstance(exc, StoreError) else StoreError("io", exc.message)
+                    self.unreadable_entries += 1
+                    if unreadable is not None:
+                        unreadable.append(Unreadable(node, err))
+                    continue
+                if receipt is not None:
+                    receipts.append(receipt)
             if quarantined is not None:
                 quarantined.extend(receipts)
         return hit
@@ -610,20 +672,27 @@ class PackStore:
         connector): find the deepest cut, restore it verified, and treat a cut that fails
         verification as a miss -- quarantined with a receipt, then the next shallower cut is
         tried. A cut forgotten while it was being restored (:class:`CutWithdrawn`) is a miss
-        too, counted in ``Lookup.withdrawn``, and the lookup goes on with the next cut. The
-        caller recomputes what was not restored and republishes it.
+        too, counted in ``Lookup.withdrawn``, and the lookup goes on with the next cut. An
+        index entry the storage fails to read is passed over, never quarantined
+        (``Lookup.unreadable``); an I/O error while restoring the cut found still refuses
+        (``io``: the caller decides whether to recompute). The caller recomputes what was
+        not restored and republishes it.
         ``require_logits=False`` also takes prefix cuts (engines that compute the next row)."""
         layout = layout if layout is not None else session.layout
         ids = ids if ids is not None else _engine_ids(session)
         quarantined: list[dict] = []
         withdrawn = 0
+        unreadable: dict[bytes, Unreadable] = {}  # per entry: every attempt reads them again
         for _ in range(max_attempts):
-            hit = self.find_deepest_healing(tokens, layout, ids, aux, require_logits=require_logits, quarantined=quarantined)
+            passed: list[Unreadable] = []
+            hit = self.find_deepest_healing(tokens, layout, ids, aux, require_logits=require_logits, quarantined=quarantined, unreadable=passed)
+            for u in passed:
+                unreadable.setdefault(u.node_id, u)
             if hit is None:
                 break
             report, receipt, was_withdrawn = self._restore_healing(hit, session, tokens, aux=aux, require_logits=require_logits)
             if report is not None:
-                return Lookup(hit, report, quarantined, withdrawn)
+                return Lookup(hit, report, quarantined, withdrawn, list(unreadable.values()))
             if was_withdrawn:
                 withdrawn += 1  # forgotten while restoring: a shallower cut may still serve
                 continue
@@ -631,7 +700,7 @@ class PackStore:
                 break  # a plain miss (identity, a prefix cut)
             quarantined.append(receipt)
             quarantined.extend(receipt.get("ancestors", ()))  # parents sharing its damage
-        return Lookup(None, None, quarantined, withdrawn)
+        return Lookup(None, None, quarantined, withdrawn, list(unreadable.values()))
 
     def ls(self) -> list[dict]:
         from .maintenance import ls

