@@ -323,6 +323,47 @@ def test_a_request_cancelled_while_waiting_for_a_busy_named_session_leaves_it_un
     assert first.get("ok"), first  # the session is exactly the first request's: it continues
 
 
+def test_named_session_decodes_take_decode_slots_and_the_cap_holds(pair):
+    """A decode from a named (received) session holds a decode slot like any other decode:
+    with one slot, a second named session's request while the first decodes is refused
+    ``timeout`` ("all 1 decode slots ...") and its session is untouched; so is a prompt
+    request. Before, named-session decodes took no slot: any number ran at once, past the
+    documented cap, and the status page showed the node idle."""
+    from kvpack.errors import NetworkError
+    from kvpack.node.local_api import ApiLimits
+
+    p = pair(decode_slots=1, api_limits=ApiLimits(max_new_tokens=200_000))
+    node = p.receiver
+    node.slot_wait_s = 0.5
+    held = _prompt(6, 300)
+    sessions = {}
+    for name in ("landed-1", "landed-2"):
+        sessions[name] = p.engine.new_session()
+        sessions[name].prefill(held[:-1])
+        node.sessions.put(name, sessions[name])
+    s1 = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s1.connect(p.socket)
+    s1.sendall(json.dumps({"session": "landed-1", "tokens": held, "max_new_tokens": 200_000, "stop_at_eos": False}).encode() + b"\n")
+    try:
+        assert _wait(lambda: sessions["landed-1"].position > len(held), 10)  # the first decodes
+        assert node.slots.busy() == 1  # ... holding the node's one decode slot
+        before = list(sessions["landed-2"].tokens)
+        with pytest.raises(NetworkError) as info:
+            node.continue_session("landed-2", held, 1)
+        assert info.value.category == "timeout" and "all 1 decode slots" in info.value.message, info.value
+        assert list(sessions["landed-2"].tokens) == before  # nothing computed in the refused one
+        reply = request_local(p.socket, {"session": "landed-2", "tokens": held, "max_new_tokens": 1}, timeout=30)
+        assert not reply.get("ok") and reply["error"]["reason"] == "timeout", reply  # the local API: the same refusal
+        with pytest.raises(NetworkError):
+            node.generate(_prompt(7, 300), 1)  # a prompt request waits for the same slot
+    finally:
+        s1.close()  # the first client leaves: its decode stops, the slot comes back
+    assert _wait(lambda: node.slots.busy() == 0, 5)
+    out = node.continue_session("landed-2", held, 1)
+    assert len(out["tokens"]) == 1
+    assert node.slots.busy() == 0
+
+
 def test_trickling_peers_on_the_observability_port_cost_a_bounded_slot_until_a_whole_deadline(tmp_path, monkeypatch):
     """The metrics / status listener used one thread per connection with a per-read timeout
     only: a peer sending a byte every few seconds held a thread and a descriptor for as long

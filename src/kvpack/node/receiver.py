@@ -819,7 +819,15 @@ class ReceiverNode:
             cancel.check()
             if time.monotonic() >= end:
                 raise NetworkError("timeout", f"session {name!r} stayed busy for {self.slot_wait_s:g} s; retry later")
+        slots = self.slots
+        assert slots is not None  # made by start()
+        slot: Optional[Slot] = None
         try:
+            # a decode like any other: it holds a decode slot (the slot's own session is left
+            # as it is), so the decode-slot cap bounds every decode in flight. Taken after the
+            # session's lock (a request never holds a slot while it waits for a busy session),
+            # within the same deadline; over the cap: ``timeout`` ("all N decode slots ...").
+            slot = slots.acquire((), wait_s=max(0.0, end - time.monotonic()), cancel=cancel)
             cancel.check()
             t_start = time.perf_counter()
             held = list(session.tokens)
@@ -849,6 +857,8 @@ class ReceiverNode:
                 "session_position": session.position,
             }
         finally:
+            if slot is not None:
+                slots.release(slot, touched=False)
             lock.release()
 
     def _settle_durable(self, slot: Slot, plan: Plan, tokens: list[int], result: dict) -> Plan:

@@ -7,6 +7,8 @@ session, boundary token, decode) and gives it back. A request prefers the free s
 session already holds the longest prefix of its prompt (the *live* tier of the reuse
 ladder), else the least recently used one. Waiting for a slot has a deadline and stops as
 soon as the request is cancelled, so a full node answers "busy" instead of queueing forever.
+A decode from a named (received) session holds a slot as well while it runs (the slot's own
+session untouched): the slot count bounds every decode in flight.
 
 What it must never do: lend one session to two requests at once, or wait without a deadline.
 """
@@ -50,7 +52,11 @@ class DecodeSlots:
         self._cond = threading.Condition()
 
     def acquire(self, tokens: Sequence[int], *, wait_s: float, cancel: CancelToken = NEVER) -> Slot:
-        """The best free slot for ``tokens``; waits up to ``wait_s`` (refused ``timeout``)."""
+        """The best free slot for ``tokens``; waits up to ``wait_s`` (refused ``timeout``).
+
+        A decode from a named (received) session takes a slot too (``tokens`` empty: the
+        least recently used free slot), for the cap, not for its session; it gives it back
+        with ``release(slot, touched=False)``, so that slot stays as old as it was."""
         end = time.monotonic() + wait_s
         with self._cond:
             while True:
@@ -65,10 +71,11 @@ class DecodeSlots:
                     raise NetworkError("timeout", f"all {len(self.slots)} decode slots stayed busy for {wait_s:g} s; retry later")
                 self._cond.wait(min(left, 0.1))
 
-    def release(self, slot: Slot) -> None:
+    def release(self, slot: Slot, *, touched: bool = True) -> None:
         with self._cond:
             slot.busy = False
-            slot.last_used = time.monotonic()
+            if touched:
+                slot.last_used = time.monotonic()
             self._cond.notify()
 
     def busy(self) -> int:
