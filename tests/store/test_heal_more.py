@@ -452,6 +452,26 @@ def test_a_wrong_key_on_a_store_without_a_key_check_is_refused_too(request, tmp_
     assert found.hit is not None and found.hit.cut == 600
 
 
+def test_the_vllm_planner_on_s3_plans_healthy_cuts_and_quarantines_nothing(request, tmp_path):
+    """The planner's size check of the chunks it will load goes through the store's
+    environment: it used ``os.stat`` of the chunk's path, which for an S3 store is no file,
+    so every healthy cut was ``incomplete`` and the planner quarantined it (a lookup on a
+    5-cut bucket emptied its index). A chunk really missing is still found."""
+    from kvpack.integrations.vllm.prefix import PrefixPlanner
+
+    store, eng, _server = _published(request, "s3", tmp_path)
+    entries = names(store, "index/")
+    plan = PrefixPlanner(store, eng.layout, eng.ids(), block_size=16).lookup(TOKENS, 0)
+    assert plan.hit is not None and plan.stored == len(TOKENS) and not plan.refusals
+    assert names(store, "index/") == entries and not names(store, "quarantine/")
+    top = store.find_deepest(TOKENS, eng.layout, eng.ids())
+    name, _size = _top_only_chunk(store, top.manifest_id)
+    store.env.delete(name)
+    plan = PrefixPlanner(store, eng.layout, eng.ids(), block_size=16).lookup(TOKENS, 0)
+    assert plan.refusals == ["incomplete"] and 0 < plan.stored < len(TOKENS)
+    assert len(names(store, "quarantine/")) == 1 and not store.env.exists(f"index/{top.node_id.hex()}")
+
+
 @pytest.mark.parametrize("kind", ["missing_pack", "missing_logits", "malformed_index_entry"])
 def test_the_vllm_planner_quarantines_the_damaged_entries_it_passes_over(request, tmp_path, kind):
     """The vLLM connector's scheduler-side lookup (PrefixPlanner) takes the next shallower

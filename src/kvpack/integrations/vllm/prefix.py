@@ -27,7 +27,6 @@ typed error (the connector turns it into a miss); keep a reference into vLLM's b
 
 from __future__ import annotations
 
-import os
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -37,7 +36,7 @@ from ...engine.contract import CacheLayout, IdentityIds
 from ...errors import EngineError, KvpackError, StoreError
 from ...format.constants import PREFIX_BLOCK_TOKENS
 from ...store.mapping import semantic_id
-from ...store.packstore import Hit, PackStore, RestoreReport, SaveReport
+from ...store.packstore import Hit, PackStore, RestoreReport, SaveReport, chunk_name
 from .paged import BlockStaging, PagedKV
 
 #: prefix cuts are 256-aligned: the keyed prefix chain's reusable nodes (production-v1)
@@ -177,10 +176,12 @@ class PrefixPlanner:
             for _key, span, ref in manifest.chunk_refs():
                 if span.token_start >= hi or span.token_start + span.token_count <= lo:
                     continue
-                try:
-                    size = os.stat(self.store.chunk_path(ref.content_id)).st_size
-                except FileNotFoundError:
-                    raise StoreError("incomplete", f"chunk {ref.content_id.hex()} is missing") from None
+                # through the store's environment: a path of an S3 store is no file (os.stat
+                # of it made every healthy cut "incomplete", and the planner quarantined it)
+                info = self.store.env.stat(chunk_name(ref.content_id))
+                if info is None:
+                    raise StoreError("incomplete", f"chunk {ref.content_id.hex()} is missing")
+                size = info.size
                 if size != ref.object_bytes:
                     raise StoreError("corrupt", f"chunk {ref.content_id.hex()} has {size} bytes, its pack says {ref.object_bytes}")
 
