@@ -55,6 +55,22 @@ def split_calls(monkeypatch):
     return seen
 
 
+def _through_the_store(eng, tokens, cut, tmp_path, chunk_bytes=4096):
+    """(uninterrupted session, the cut saved, restored from the store and continued)."""
+    whole = eng.new_session()
+    whole.prefill(tokens)
+    part = eng.new_session()
+    part.prefill(tokens[:cut])
+    store = PackStore.init(os.path.join(tmp_path, "s"), chunk_bytes=chunk_bytes)
+    store.save(part)
+    resumed = eng.new_session()
+    store.restore(store.find_deepest(tokens, eng.layout, eng.ids()), resumed, tokens)
+    resumed.prefill(tokens[cut:])
+    assert resumed.cache_digest() == whole.cache_digest()
+    assert torch.equal(resumed.last_logits, whole.last_logits)
+    return whole, part, resumed
+
+
 @given(q_len=st.integers(1, 1024), prefix=st.integers(0, 300_000))
 def test_the_split_plan_covers_the_prefix_exactly(q_len, prefix):
     kv = prefix + q_len
@@ -98,19 +114,9 @@ def test_restored_then_continued_equals_uninterrupted(small_pieces, split_calls,
     eng = _engine(forward=forward)
     assert eng.prefill_attention == SPLIT_KV and eng.prefill_forward == forward
     tokens = random_tokens(1300, eng.layout.vocab_size, seed=3)
-    whole = eng.new_session()
-    whole.prefill(tokens)
+    whole, part, resumed = _through_the_store(eng, tokens, 768, tmp_path)
     assert split_calls, "no chunk ran split"
     assert any(r for _, _, r in split_calls) and len({p for p, _, _ in split_calls}) > 1
-    part = eng.new_session()
-    part.prefill(tokens[:768])
-    store = PackStore.init(os.path.join(tmp_path, "s"), chunk_bytes=4096)
-    store.save(part)
-    resumed = eng.new_session()
-    store.restore(store.find_deepest(tokens, eng.layout, eng.ids()), resumed, tokens)
-    resumed.prefill(tokens[768:])
-    assert resumed.cache_digest() == whole.cache_digest()
-    assert torch.equal(resumed.last_logits, whole.last_logits)
     # a cut handed over in memory agrees too (the prompt's partial last chunk runs the lean
     # forward, with its own split)
     other = eng.new_session()
@@ -154,18 +160,8 @@ def test_cuda_split_restores_and_continues_bit_exactly(split_calls, dtype, tmp_p
     eng = _engine(dtype, device="cuda", chunk=256)
     assert eng.prefill_forward == "graphs"
     tokens = random_tokens(9000, eng.layout.vocab_size, seed=5)
-    whole = eng.new_session()
-    whole.prefill(tokens)
+    whole, _part, resumed = _through_the_store(eng, tokens, 8704, tmp_path, chunk_bytes=1 << 16)
     assert split_calls
-    part = eng.new_session()
-    part.prefill(tokens[:8704])
-    store = PackStore.init(os.path.join(tmp_path, "s"), chunk_bytes=1 << 16)
-    store.save(part)
-    resumed = eng.new_session()
-    store.restore(store.find_deepest(tokens, eng.layout, eng.ids()), resumed, tokens)
-    resumed.prefill(tokens[8704:])
-    assert resumed.cache_digest() == whole.cache_digest()
-    assert torch.equal(resumed.last_logits, whole.last_logits)
     assert resumed.decode_greedy(8)[0] == whole.decode_greedy(8)[0]
     lower = _engine(dtype, device="cuda", mode="lower_right", chunk=256).new_session()
     lower.prefill(tokens)
