@@ -449,6 +449,12 @@ RUNTIME_CASES = [
     _c("receiver metrics on a public address", ["receiver", "--config", "{rcfg}", "--engine", ENGINE, "--metrics-listen", "0.0.0.0:0"], 2, "usage"),
     _c("receiver --threads 0", ["receiver", "--config", "{rcfg}", "--threads", "0"], 2, "usage", issue=True),
     _c("receiver --socket over 107 bytes", ["receiver", "--config", "{rcfg}", "--socket", "{long_sock}"], 2, "usage", issue=True),
+    _c(
+        "receiver --socket on a regular file",
+        ["receiver", "--config", "{rcfg}", "--engine", ENGINE, "--no-metrics", "--socket", "{file}", *LOOSE_GATE],
+        2,
+        "file",
+    ),
     _c("generate --threads 0", ["generate", "--store", "{store}", "--prompt", "p", "--threads", "0"], 2, "usage", issue=True),
     _c("generate --max-new-tokens -1", ["generate", "--store", "{store}", "--prompt", "p", "--max-new-tokens", "-1"], 2, "usage", issue=True),
     # numbers

@@ -342,6 +342,40 @@ def test_a_stale_api_socket_is_replaced(tmp_path):
     assert not os.path.exists(path)
 
 
+@pytest.mark.parametrize("kind", ["file", "directory", "symlink", "fifo"])
+def test_something_else_at_the_api_socket_path_is_refused_never_deleted(kind):
+    """Only a stale *socket* is replaced. A mistyped ``--socket`` naming the operator's file
+    (a config, notes) used to be deleted: nothing listened on it, so it counted as stale,
+    was unlinked and a socket bound in its place; a directory was an untyped traceback."""
+    from kvpack.errors import UsageError
+    from kvpack.node.local_api import ApiSocket
+
+    path = _sock_path("thing")
+    target = path + ".target"
+    with open(target, "w") as fh:
+        fh.write("precious\n")
+    if kind == "file":
+        os.replace(target, path)
+    elif kind == "directory":
+        os.mkdir(path)
+    elif kind == "symlink":
+        os.symlink(target, path)
+    else:
+        os.mkfifo(path)
+    before = os.lstat(path)
+    with pytest.raises(UsageError) as info:
+        ApiSocket(path)
+    assert info.value.category == "file" and "not a socket" in info.value.message, info.value
+    after = os.lstat(path)
+    assert (after.st_ino, after.st_mode) == (before.st_ino, before.st_mode)  # untouched
+    if kind in ("file", "symlink"):
+        with open(path) as fh:
+            assert fh.read() == "precious\n"
+    (os.rmdir if kind == "directory" else os.unlink)(path)
+    api = ApiSocket(path)  # the refusal left no lock behind
+    api.close()
+
+
 def test_limits_are_validated():
     with pytest.raises(ValueError):
         Limits(max_connections=0)

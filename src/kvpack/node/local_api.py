@@ -19,7 +19,8 @@ Why it exists as its own module: the API is a door into the engine, and a door n
   decode slot and while a transfer is in flight, so the slot is free within a second.
 
 What it must never do: read an unbounded request, keep serving a request whose client left,
-or unlink a socket another process serves.
+or unlink anything at its path but a stale socket (a live one is refused `locked`; a file,
+directory, symlink or FIFO there is the operator's: refused `file`, never deleted).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import os
 import select
 import selectors
 import socket
+import stat
 import threading
 import time
 from dataclasses import dataclass
@@ -120,10 +122,23 @@ class ApiSocket:
         return lock
 
     def _bind(self, backlog: int) -> None:
-        if os.path.lexists(self.path):
+        try:
+            st: Optional[os.stat_result] = os.lstat(self.path)
+        except FileNotFoundError:
+            st = None
+        except OSError as exc:
+            raise UsageError("file", f"local API socket {self.path}: {exc.strerror}") from None
+        if st is not None:
+            # only a stale *socket* is ever removed: a regular file, a directory, a symlink or
+            # a FIFO at the path is the operator's (a mistyped --socket), never deleted
+            if not stat.S_ISSOCK(st.st_mode):
+                raise UsageError("file", f"local API socket path {self.path} exists and is not a socket: not removed (choose another --socket)")
             if socket_owner_alive(self.path):
                 raise SecurityError("locked", f"local API socket {self.path} accepts connections: another process serves it (not taken over)")
-            os.unlink(self.path)  # stale: nothing listens and the lock was free
+            try:
+                os.unlink(self.path)  # stale: nothing listens and the lock was free
+            except OSError as exc:
+                raise UsageError("file", f"cannot remove the stale local API socket {self.path}: {exc.strerror}") from None
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old = os.umask(0o177)
         try:
