@@ -94,6 +94,46 @@ def test_generate_reuses_the_stored_prefix_and_gives_the_same_text(tmp_path):
     assert json.loads(fresh.stdout)["tokens"] == c["tokens"]
 
 
+@pytest.mark.parametrize("endpoint", ["notaurl", "ftp://127.0.0.1:9000", "http://", "http://127.0.0.1:notaport", "http://127.0.0.1:99999"])
+def test_a_bad_s3_endpoint_is_a_usage_error_in_one_line(tmp_path, endpoint):
+    """Before: ``notaurl`` was boto3's bare ValueError, printed as ``internal`` (exit 70)."""
+    from kvpack.rootkey import create_root_key
+
+    key = str(tmp_path / "root.key")
+    create_root_key(key)
+    for args, env in (
+        (["--endpoint", endpoint], None),
+        ([], {**os.environ, "KVPACK_S3_ENDPOINT": endpoint}),
+    ):
+        r = subprocess.run([*KVPACK, "store", "ls", "s3://kvpack-tests/x", "--root-key-file", key, *args], capture_output=True, text=True, timeout=120, env=env)
+        assert r.returncode == 2 and r.stderr.startswith("kvpack: usage: S3 endpoint"), r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1
+    new_key = str(tmp_path / "new.key")
+    r = run("store", "init", "s3://kvpack-tests/x", "--root-key-file", new_key, "--endpoint", endpoint)
+    assert r.returncode == 2 and r.stderr.startswith("kvpack: usage: S3 endpoint"), r.stderr
+    assert not os.path.exists(new_key)  # refused before the key was created
+
+
+def test_missing_s3_credentials_are_named_in_one_line(tmp_path):
+    """No credentials file and no AWS variables: a ``key`` refusal (exit 2) that says how to
+    give them (before: ``io`` exit 1, botocore's 'Unable to locate credentials')."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "KVPACK_S3_"))}
+    env.update(AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"), AWS_CONFIG_FILE=str(tmp_path / "none"), AWS_EC2_METADATA_DISABLED="true")
+    from kvpack.rootkey import create_root_key
+
+    key = str(tmp_path / "root.key")
+    create_root_key(key)
+    r = subprocess.run(
+        [*KVPACK, "store", "ls", "s3://kvpack-tests/x", "--endpoint", "http://127.0.0.1:9", "--root-key-file", key],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert r.returncode == 2 and r.stderr.startswith("kvpack: key: no S3 credentials:") and "--s3-credentials" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
 def test_store_verbs_on_s3(tmp_path, seaweed):
     """Every store verb takes s3://bucket/prefix; credentials come from a 0600 file (or the
     AWS environment) and never reach store.json, receipts or output."""

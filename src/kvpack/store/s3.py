@@ -165,7 +165,7 @@ class S3Env(StorageEnv):
     # -- error mapping -------------------------------------------------------------------------
     @contextmanager
     def _call(self, what: str, name: str = "") -> Iterator[None]:
-        from botocore.exceptions import BotoCoreError, ClientError
+        from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
 
         try:
             yield
@@ -175,6 +175,10 @@ class S3Env(StorageEnv):
             if status == 404 or code in ("NoSuchKey", "404", "NotFound"):
                 raise ObjectMissing(errno.ENOENT, "no such object", name) from None
             raise StoreError("io", f"s3 {what} {self.location}/{name}: {code or status}") from None
+        except NoCredentialsError:
+            raise StoreError(
+                "key", "no S3 credentials: pass --s3-credentials FILE (0600; or KVPACK_S3_CREDENTIALS), or set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY"
+            ) from None
         except BotoCoreError as exc:
             raise StoreError("io", f"s3 {what} {self.location}/{name}: {type(exc).__name__}: {exc}") from None
 
@@ -425,6 +429,21 @@ def _total_from_range(content_range: str | None, got: int) -> int:
     return got
 
 
+def check_endpoint(endpoint: str) -> None:
+    """Refuse (``usage``) an endpoint that is not ``http(s)://host[:port]``: boto3 raises a
+    bare ValueError for some (the CLI printed it as an internal error) and takes others as
+    a host name it later fails to reach."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(endpoint)
+        ok = parts.scheme in ("http", "https") and bool(parts.hostname) and parts.port != 0
+    except ValueError:  # a port that is not a number, or out of range
+        ok = False
+    if not ok:
+        raise StoreError("usage", f"S3 endpoint {endpoint!r} is not an http(s)://host[:port] URL (--endpoint or KVPACK_S3_ENDPOINT)")
+
+
 def make_client(*, endpoint: str | None = None, credentials_file: str | None = None, timeout_s: float = 30.0, attempts: int = 3) -> Any:
     """A boto3 S3 client: path-style addressing, bounded retries and timeouts, no extra
     checksums (kvpack verifies SHA-256 digests itself). Credentials from the file, else the
@@ -433,6 +452,8 @@ def make_client(*, endpoint: str | None = None, credentials_file: str | None = N
     from botocore.config import Config
 
     endpoint = endpoint or os.environ.get("KVPACK_S3_ENDPOINT") or None
+    if endpoint is not None:
+        check_endpoint(endpoint)
     credentials_file = credentials_file or os.environ.get("KVPACK_S3_CREDENTIALS") or None
     creds: dict[str, str] = load_credentials(credentials_file) if credentials_file else {}
     config = Config(
