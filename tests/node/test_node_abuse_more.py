@@ -572,7 +572,10 @@ def test_stripes_connect_concurrently_and_one_stalled_stripe_aborts_all(pair):
     finally:
         proxy.close()
     assert info.value.category == "aborted", info.value
-    failed = receipts(p.pdir)[-1]  # the producer's job: failed at the connect deadline, stripe named
+    # the producer's job: failed at the connect deadline, stripe named (its receipt may land
+    # just after the receiver's request returned)
+    assert _wait(lambda: receipts(p.pdir)[-1]["verdict"] == "failed", 5)
+    failed = receipts(p.pdir)[-1]
     # the held connection is the first the relay accepted: whichever stripe connected first
     assert failed["verdict"] == "failed" and failed["reason"] == "tls" and re.match(r"stripe [0-3] of 4: ", failed["detail"]), failed
     assert [(list(s.session.tokens), s.session.cache_digest()) for s in node.slots.slots] == before  # nothing installed
@@ -582,6 +585,12 @@ def test_stripes_connect_concurrently_and_one_stalled_stripe_aborts_all(pair):
     assert not [r for r in receipts(p.rdir) if r["verdict"] == "committed" and r.get("stripe", [0, 1])[1] == 4]
     aborted = [r for r in receipts(p.rdir) if r["verdict"] != "committed" and r.get("stripe", [0, 1])[1] == 4]
     assert len(aborted) == 3, [(r.get("stripe"), r["reason"]) for r in aborted]  # the three that connected, each refused
+    # each says why: the producer's abort, or a sibling's refusal -- never a cancellation
+    # nobody asked for (a stripe stopped by a sibling's refusal used to read "the request
+    # this transfer serves was cancelled"); the request's error neither
+    for r in aborted:
+        assert r["detail"].startswith(("producer abort", "another stripe of this transfer was refused")), r["detail"]
+    assert "cancelled" not in info.value.message, info.value
     node._advertised_port = None
     res = node.generate(_prompt(9, 2000), 2, stripes=4)
     assert res["transfer"]["stripes"] == 4

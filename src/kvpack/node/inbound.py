@@ -387,9 +387,18 @@ class InboundRun:
             if got < want:
                 rx.eof()  # raises: the stream ended before the seal
 
-    def _cancelled(self) -> bool:
+    def _cancelled(self) -> Optional[str]:
+        """Why this connection must stop reading now (None: it goes on). The reason becomes
+        its refusal's detail: a stripe stopped because a sibling was refused says so (it
+        said "the request ... was cancelled", as if the client had gone away)."""
         p = self.pending
-        return p.cancel.cancelled or (p.done and p.error is not None) or self.shared.failed is not None
+        if p.cancel.cancelled:
+            return "cancelled: the request this transfer serves was cancelled (its client went away)"
+        if self.shared.failed is not None:
+            return f"another stripe of this transfer was refused: {self.shared.failed}"
+        if p.done and p.error is not None:
+            return f"the request this transfer serves already failed: {p.error}"[:600]
+        return None
 
     def _effect(self, e: Any, t_recv: float) -> Optional[Committed]:
         if isinstance(e, Admitted):

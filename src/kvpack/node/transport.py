@@ -487,10 +487,11 @@ class Deadline:
         return min(remaining, self.gap_s)
 
 
-def fill(chan: Channel, buf: memoryview, deadline: Deadline, cancelled: Optional[Callable[[], bool]] = None) -> int:
+def fill(chan: Channel, buf: memoryview, deadline: Deadline, cancelled: Optional[Callable[[], Union[bool, str, None]]] = None) -> int:
     """Fill ``buf`` from ``chan`` (one ``recv_into`` per TLS record), every read under the
     deadline. Returns fewer bytes only when the peer closed. ``cancelled`` is polled between
-    reads (a request whose client went away stops within one read)."""
+    reads (a request whose client went away stops within one read); a string it returns is
+    the ``aborted`` refusal's detail (why: the client left, another stripe was refused ...)."""
     want = len(buf)
     got = 0
     current = chan.sock.gettimeout()
@@ -503,8 +504,10 @@ def fill(chan: Channel, buf: memoryview, deadline: Deadline, cancelled: Optional
     direct = chan.sock.recv_into if chan.peer_has_spoken and not chan.has_pending() and not relayed else None
     monotonic, end, gap = time.monotonic, deadline.end, deadline.gap_s
     while got < want:
-        if cancelled is not None and cancelled():
-            raise ProtocolError("aborted", "cancelled: the request this transfer serves was cancelled", remote=False)
+        if cancelled is not None:
+            why = cancelled()
+            if why:
+                raise ProtocolError("aborted", why if isinstance(why, str) else "cancelled: the request this transfer serves was cancelled", remote=False)
         left = end - monotonic()
         if left <= 0:
             raise TimeoutError(f"{deadline.what} deadline passed")
