@@ -82,9 +82,11 @@ def test_refusal_receipts_beyond_the_rate_are_counted_in_a_capped_log(tmp_path):
     for i in range(2000):  # a flood of pre-authentication refusals
         rlog.count("tls", "handshake timed out" * 20, f"127.0.0.1:{i}")
     assert rlog.totals["tls"] == 2000
+    rlog.flush(timeout=5.0)  # the summary lines are written by the log's own thread
     size = os.path.getsize(log_path) + (os.path.getsize(log_path + ".1") if os.path.exists(log_path + ".1") else 0)
     assert size <= 2 * 4096
     assert w.write({"role": "receiver", "verdict": "committed"}) is not None  # commits are never rate-limited
+    rlog.close(timeout=5.0)
 
 
 def _probe_ok(path):

@@ -248,3 +248,24 @@ def test_a_failing_refusal_log_write_costs_the_line_not_the_counts(tmp_path):
     snap = rlog.snapshot()
     assert snap["totals"] == {"handshake_timeout": 50}
     assert snap["write_failures"] >= 1 and snap["writer_stuck_s"] is None
+
+
+def test_the_rest_of_a_burst_of_refusals_is_written_without_another_refusal(tmp_path):
+    # a burst: the first refusal's line is due at once, the rest are counted after it. They
+    # used to wait in memory for the next refusal after the interval (hours, on a quiet node;
+    # never, if none came); the writer now writes them once the interval passed.
+    path = tmp_path / "refusals.log"
+    rlog = RefusalLog("receiver", str(path), interval_s=0.5)
+    rlog._flushed -= 1.0  # the first count is due
+
+    def written() -> list:
+        return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+    try:
+        rlog.count("handshake_timeout", "idle", "127.0.0.1:1")
+        assert _eventually(lambda: len(written()) == 1, 5.0)
+        for i in range(4):  # within the interval of that line: none is due
+            rlog.count("handshake_timeout", "idle", f"127.0.0.1:{2 + i}")
+        assert _eventually(lambda: sum(x["counts"]["handshake_timeout"] for x in written()) == 5, 5.0), written()
+    finally:
+        rlog.close(timeout=5.0)

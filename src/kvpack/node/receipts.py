@@ -307,23 +307,34 @@ class RefusalLog:
                 pass
         if due:
             self._kick()
+        elif self._writer is None:
+            self._start_writer()  # it writes what is left once the interval passed
 
-    def _kick(self) -> None:
-        """Wake the writer thread (start it first if needed); never waits for it."""
+    def _start_writer(self) -> bool:
         with self._lock:
             if self._closed:
-                return
+                return False
             if self._writer is None:
                 self._writer = threading.Thread(target=self._write_loop, name=f"kvpack-{self.role}-refusals", daemon=True)
                 self._writer.start()
-        self._wake.set()
+        return True
+
+    def _kick(self) -> None:
+        """Wake the writer thread (start it first if needed); never waits for it."""
+        if self._start_writer():
+            self._wake.set()
 
     def _write_loop(self) -> None:
         while True:
-            self._wake.wait()
+            # woken for a due summary or a flush; else every interval it writes what is left
+            # of a burst (refusals counted after the last line, with none since to wake it)
+            woke = self._wake.wait(max(self.interval_s, 0.05))
             self._wake.clear()
             with self._lock:
                 upto = self._requested
+                left_over = bool(self._window) and time.monotonic() - self._flushed >= self.interval_s
+            if not woke and not left_over:
+                continue
             try:
                 line = self._write_summary()
             except Exception:  # noqa: BLE001 - the writer never dies; the counters stay
