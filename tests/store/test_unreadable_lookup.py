@@ -97,6 +97,28 @@ def test_an_entry_the_disk_fails_to_read_is_a_counted_miss_and_never_healed(tmp_
     assert healthy.verify(read_data=True)["ok"]
 
 
+@pytest.mark.parametrize("failing", [1, 2, 3, 5])
+def test_a_lookup_stops_after_three_unreadable_entries_in_a_row(tmp_path, failing):
+    """One or two unreadable entries: the next shallower entry serves. Three in a row: the
+    storage is taken for down and the lookup is a miss without reading the entries below
+    (with the S3 server gone every read spends the client's retries)."""
+    store, eng, top = _published(tmp_path)
+    chain = sorted(((n.cumulative_count, n.node_id) for n in store._chain(store.context(eng.layout, eng.ids()), TOKENS).nodes), reverse=True)
+    entries = [node for cut, node in chain if cut in (1200, 1024, 768, 512, 256)]
+    bad = {f"/index/{node.hex()}" for node in entries[:failing]}
+    ops = FaultyOps(fail_reads=lambda kind, path: kind == "read" and path[len(store.path) :] in bad)
+    sick = PackStore.open(store.path, ops=ops)
+    passed: list[Unreadable] = []
+    hit = sick.find_deepest(TOKENS, eng.layout, eng.ids(), unreadable=passed)
+    read = [p for kind, p in ops.reads if kind == "read" and "/index/" in p]
+    if failing < 3:
+        assert hit is not None and hit.cut == [1200, 1024, 768][failing] and len(passed) == failing
+    else:
+        assert hit is None and len(passed) == 3
+        assert len(read) == 3, read  # the two shallowest entries were never read
+    assert sick.unreadable_entries == len(passed)
+
+
 def test_an_incomplete_entry_whose_quarantine_fails_is_passed_over_not_fatal(tmp_path):
     """The deepest cut lost its pack (damage: quarantined on a healthy disk); the disk then
     refuses the receipt's write: the lookup still restores the next cut, and reports the
@@ -126,7 +148,8 @@ def test_a_malformed_entry_is_still_damage_not_unreadable(tmp_path):
 def test_seaweedfs_stopped_mid_lookup_is_a_miss_that_heals_nothing(tmp_path):
     """A real SeaweedFS server SIGKILLed right after the lookup read the deepest index entry:
     every further request fails (connection refused), the lookup answers a miss with each
-    entry it could not read, writes nothing, and once the server is back every entry serves.
+    entry it could not read (three: then it stops), writes nothing, and once the server is
+    back every entry serves.
     (~50 s: two server starts, and the client's bounded retries of every refused request.)"""
     from kvpack.store.s3 import S3Env
     from kvpack.testing.seaweed import SeaweedServer, weed_binary
@@ -161,8 +184,10 @@ def test_seaweedfs_stopped_mid_lookup_is_a_miss_that_heals_nothing(tmp_path):
         found = sick.lookup_restore(TOKENS, live)
         assert KilledAfterFirstIndexRead.killed
         assert found.hit is None and live.position == 0 and not found.quarantined
-        assert len(found.unreadable) == 5 and all(u.error.category == "io" for u in found.unreadable)
-        assert sick.unreadable_entries == 5
+        # the deepest entry read, its pack's HEAD failed, then two more entries: three in a
+        # row, so the lookup stopped without spending retries on the two shallowest
+        assert len(found.unreadable) == 3 and all(u.error.category == "io" for u in found.unreadable)
+        assert sick.unreadable_entries == 3
         with pytest.raises(StoreError):  # the server really is gone
             sick.env.read("store.json")
 

@@ -55,6 +55,9 @@ STORE_VERSION = 1
 #: flight, while every chunk also costs fixed host work (measured on the H200: 2 MiB restores
 #: 8k tokens as fast as 1 MiB and 32k faster; docs/benchmarks.md, issue 20).
 DEFAULT_CHUNK_BYTES = 2 << 20
+#: unreadable index entries in a row after which a lookup takes the storage for down and
+#: stops (a miss): one bad entry still lets the shallower ones serve (find_deepest)
+UNREADABLE_RUN = 3
 #: plaintext bytes of a prefix cut's logits object: the manifest id alone, no row
 PREFIX_MARKER_BYTES = 32
 #: Parsed manifests shared by every store of this process (format.pack.ManifestCache: only
@@ -358,12 +361,17 @@ class PackStore:
             except StoreError as exc:
                 return exc
 
-        with ThreadPoolExecutor(batch, thread_name_prefix="kvpack-index") as pool:
+        pool = ThreadPoolExecutor(batch, thread_name_prefix="kvpack-index")
+        try:
             at, size = 0, 1
             while at < len(nodes):
                 part = nodes[at : at + size]
                 yield from zip(part, pool.map(fetch, part))
                 at, size = at + size, min(2 * size, batch)
+        finally:
+            # a caller that stopped early (a hit, or storage that is down) does not wait for
+            # the reads of the batch still in flight: they finish on their own
+            pool.shutdown(wait=False, cancel_futures=True)
 
     def _complete(self, mid: bytes) -> bool:
         """The cut's pack and final-logits object both exist (cheap; not a verification)."""
@@ -394,7 +402,10 @@ class PackStore:
         checks of its cut's pack and logits objects (EIO, an S3 5xx or timeout, the server
         down) -- is passed over like a miss, never taken for damage: it is counted in
         ``unreadable_entries`` and appended to ``unreadable`` (:class:`Unreadable`), and the
-        next shallower entry is tried. A malformed entry is ``corrupt`` (damage); an
+        next shallower entry is tried. After :data:`UNREADABLE_RUN` unreadable entries in a
+        row the storage is taken to be down and the lookup stops there (a miss; the entries
+        below are not read): with the S3 server gone every read spends the client's retries,
+        and a 32k-token prompt has 128 entries. A malformed entry is ``corrupt`` (damage); an
         unreadable one says nothing about the stored bytes."""
         if not tokens:
             return None
@@ -402,26 +413,38 @@ class PackStore:
         chain = self._chain(ctx, tokens)
         nodes = [node for node in reversed(chain.nodes) if node.reusable or node.cumulative_count == len(tokens)]
 
-        def passed_over(node_id: bytes, exc: StoreError) -> None:
+        run = 0  # consecutive entries the storage failed to read
+
+        def passed_over(node_id: bytes, exc: StoreError) -> bool:
+            """Count it; True once the storage looks down (stop reading: a miss)."""
+            nonlocal run
             self.unreadable_entries += 1
             if unreadable is not None:
                 unreadable.append(Unreadable(node_id, exc))
+            run += 1
+            return run >= UNREADABLE_RUN
 
         for node, mid in self._index_deepest_first(nodes):
             if isinstance(mid, StoreError):
                 if mid.category != "corrupt":
-                    passed_over(node.node_id, mid)  # the storage failed: not a verdict
-                elif incomplete is not None:
+                    if passed_over(node.node_id, mid):  # the storage failed: not a verdict
+                        return None
+                    continue
+                run = 0
+                if incomplete is not None:
                     incomplete.append((node.node_id, None))  # malformed: quarantined too
                 continue  # neither is a hit
             if mid is None:
+                run = 0
                 continue
             try:
                 complete = self._complete(mid)
                 prefix_cut = complete and require_logits and self._is_prefix_cut(mid)
             except StoreError as exc:
-                passed_over(node.node_id, exc)
+                if passed_over(node.node_id, exc):
+                    return None
                 continue
+            run = 0
             if not complete:
                 if incomplete is not None:
                     incomplete.append((node.node_id, mid))
