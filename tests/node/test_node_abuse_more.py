@@ -83,6 +83,7 @@ class Pair:
         api_limits=None,
         producer_engine: str = ENGINE,
         stripe_connect_s: float = 10.0,
+        store=None,
     ) -> None:
         import dataclasses
 
@@ -116,6 +117,7 @@ class Pair:
             limits=limits,
             tls_fronts=tls_fronts,
             api_limits=api_limits,
+            store=store,
         ).start()
 
     def stop(self) -> None:
@@ -363,6 +365,33 @@ def test_named_session_decodes_take_decode_slots_and_the_cap_holds(pair):
     out = node.continue_session("landed-2", held, 1)
     assert len(out["tokens"]) == 1
     assert node.slots.busy() == 0
+
+
+def test_a_full_store_disk_degrades_only_the_save_not_the_request(pair, tmp_path):
+    """``save`` on a decode node whose pack store disk is full: the completion is served and
+    the reply says the save failed. Before, the store's ENOSPC failed the whole request
+    after its transfer and decode (a landed unsolicited transfer and the producer's saves
+    already degraded only the save)."""
+    import errno
+
+    from kvpack.store import PackStore
+    from kvpack.testing.faults import FaultyOps
+
+    path = str(tmp_path / "store")
+    PackStore.init(path)
+    full = PackStore.open(path, ops=FaultyOps(fail_ops={"write"}, errno_=errno.ENOSPC))
+    p = pair(decode_slots=1, store=full)
+    tokens = _prompt(3, 300)  # not a multiple of 256: the prompt's cut is saveable
+    res = p.receiver.generate(tokens, 4, save=True)
+    assert len(res["tokens"]) == 4, res
+    assert res["saved"]["error"].startswith("write: ") and "No space left" in res["saved"]["error"], res["saved"]
+    reply = request_local(p.socket, {"tokens": _prompt(4, 300), "max_new_tokens": 2, "save": True}, timeout=60)
+    assert reply.get("ok") and "No space left" in reply["result"]["saved"]["error"], reply
+    assert p.receiver.slots.busy() == 0
+    store = PackStore.open(path)  # nothing half-written
+    assert store.verify(read_data=True)["ok"] and store.find_deepest(tokens, p.engine.layout, p.engine.identity.ids()) is None
+    plain = p.receiver.generate(tokens, 4)  # what the failed save served is what a plain request serves
+    assert plain["tokens"] == res["tokens"] and plain["logits_sha256"] == res["logits_sha256"]
 
 
 def test_trickling_peers_on_the_observability_port_cost_a_bounded_slot_until_a_whole_deadline(tmp_path, monkeypatch):

@@ -352,6 +352,9 @@ def cmd_request(args: argparse.Namespace) -> int:
         f"payload {t.get('payload_bytes', 0)} B; prefix_cut {t.get('prefix_cut', 0)}]",
         file=sys.stderr,
     )
+    saved = res.get("saved")
+    if isinstance(saved, dict) and saved.get("error"):  # served; only the --save failed (a full store disk)
+        print(f"[not saved: {saved['error']}]", file=sys.stderr)
     return 0
 
 

@@ -47,6 +47,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import logging
 import os
 import queue
 import socket
@@ -85,6 +86,9 @@ __all__ = ["EXT_PREFIX_CUT", "NamedSessions", "Pending", "ProducerLink", "Receiv
 
 #: idle payload buffers a decode node keeps for the next transfers (two per connection)
 PAYLOAD_POOL_BYTES = 512 << 20
+
+
+log = logging.getLogger("kvpack.node.receiver")
 
 
 def accept_wait_s(cfg: ReceiverConfig, prompt_tokens: int) -> float:
@@ -799,9 +803,19 @@ class ReceiverNode:
         }
 
     def _save_prompt_cut(self, session, cut: int, logits: Optional[bytes]) -> Optional[dict]:
+        """Save the prompt's cut (``save``). The pack store is a cache tier: a full or
+        failing store disk degrades only this save (``{"error": ...}`` in the reply, one log line),
+        as for a landed unsolicited transfer and the producer's own saves. Before, the whole
+        request failed after its transfer and decode: the client lost its completion."""
         if logits is None or self.store is None:
             return None
-        rep = self.store.save(session, cut=cut, logits=logits)
+        try:
+            rep = self.store.save(session, cut=cut, logits=logits)
+        except (KvpackError, OSError) as exc:
+            category = exc.category if isinstance(exc, KvpackError) else "io"
+            message = exc.message if isinstance(exc, KvpackError) else str(exc)
+            log.warning("saving the prompt's cut %d failed (%s: %s); the request is served without it", cut, category, message[:300])
+            return {"error": f"{category}: {message}"[:500]}
         return {"manifest_id": rep.manifest_id, "cut": rep.cut, "kind": rep.kind, "seconds": round(rep.seconds, 4)}
 
     def continue_session(
