@@ -134,6 +134,50 @@ def test_missing_s3_credentials_are_named_in_one_line(tmp_path):
     assert len(r.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize(
+    "edit",
+    [
+        {"tenant": None},
+        {"tenant": ""},
+        {"tenant": 7},
+        {"key_epoch": None},
+        {"key_epoch": "1"},
+        {"key_epoch": 0},
+        {"key_epoch": 1 << 64},
+        {"key_epoch": True},
+        {"encrypted": None},
+        {"encrypted": "no"},
+        {"chunk_bytes": 0},
+        {"chunk_bytes": 5 << 20},
+        {"chunk_bytes": 4.5},
+    ],
+)
+def test_a_damaged_store_json_field_is_one_corrupt_line(tmp_path, edit):
+    """store.json of the right format and version with a field missing (None) or of the
+    wrong type or range: every verb refuses ``corrupt`` naming the field (exit 1) and writes
+    nothing. Before: a missing tenant or epoch was a KeyError and a string epoch a
+    ValueError (``internal``, exit 70); epoch 0 a format error; a chunk size of 0 or 5 MiB
+    opened and failed later."""
+    path = str(tmp_path / "s")
+    assert run("store", "init", path, "--chunk-bytes", "4096").returncode == 0
+    config_path = os.path.join(path, "store.json")
+    with open(config_path) as fh:
+        config = json.load(fh)
+    field, value = next(iter(edit.items()))
+    if value is None:
+        del config[field]
+    else:
+        config[field] = value
+    with open(config_path, "w") as fh:
+        json.dump(config, fh)
+    before = sorted(os.listdir(path))
+    for verb in (["store", "ls", path], ["store", "verify", path], ["store", "gc", path]):
+        r = run(*verb)
+        assert r.returncode == 1 and r.stderr.startswith("kvpack: corrupt:") and f"'{field}'" in r.stderr, r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1
+    assert sorted(os.listdir(path)) == before
+
+
 def test_store_verbs_on_s3(tmp_path, seaweed):
     """Every store verb takes s3://bucket/prefix; credentials come from a 0600 file (or the
     AWS environment) and never reach store.json, receipts or output."""

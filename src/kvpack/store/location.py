@@ -95,7 +95,28 @@ def _read_config(env: StorageEnv) -> dict:
         raise StoreError("corrupt", f"{env.location}/store.json unreadable: {exc}") from None
     if not isinstance(config, dict) or config.get("format") != STORE_FORMAT or config.get("version") != STORE_VERSION:
         raise StoreError("corrupt", f"{env.location}/store.json: unknown store format/version")
+    _check_config_fields(env, config)
     return config
+
+
+def _check_config_fields(env: StorageEnv, config: dict) -> None:
+    """The fields PackStore reads, with their types and ranges: a hand-edited or damaged
+    store.json is one ``corrupt`` line naming the field (before: a missing ``tenant`` was a
+    KeyError, printed as an internal error)."""
+
+    def bad(field: str, want: str) -> StoreError:
+        return StoreError("corrupt", f"{env.location}/store.json: {field!r} is missing or not {want} (got {config.get(field)!r:.60})")
+
+    if not isinstance(config.get("tenant"), str) or not config["tenant"]:
+        raise bad("tenant", "a non-empty string")
+    epoch = config.get("key_epoch")
+    if not isinstance(epoch, int) or isinstance(epoch, bool) or not 1 <= epoch < 1 << 64:
+        raise bad("key_epoch", "an integer from 1 to 2**64-1")
+    if not isinstance(config.get("encrypted"), bool):
+        raise bad("encrypted", "true or false")
+    chunk = config.get("chunk_bytes", DEFAULT_CHUNK_BYTES)
+    if not isinstance(chunk, int) or isinstance(chunk, bool) or not 1 <= chunk <= C.MAX_CHUNK_PLAINTEXT:
+        raise bad("chunk_bytes", "an integer from 1 to 4 MiB")
 
 
 def open_store(
