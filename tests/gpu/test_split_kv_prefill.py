@@ -166,3 +166,13 @@ def test_cuda_split_restores_and_continues_bit_exactly(split_calls, dtype, tmp_p
     lower = _engine(dtype, device="cuda", mode="lower_right", chunk=256).new_session()
     lower.prefill(tokens)
     assert torch.allclose(lower.last_logits, whole.last_logits, atol=5e-2, rtol=5e-2)
+
+
+def test_the_environment_picks_auto_s_attention(monkeypatch):
+    monkeypatch.setenv("KVPACK_PREFILL_ATTENTION", "split_kv")
+    assert _engine(mode="auto").prefill_attention == SPLIT_KV
+    assert _engine(mode="lower_right").prefill_attention == "lower_right"  # an explicit choice wins
+    monkeypatch.setenv("KVPACK_PREFILL_ATTENTION", "fastest")
+    with pytest.raises(EngineError) as exc:
+        _engine(mode="auto")
+    assert exc.value.category == "unsupported" and "KVPACK_PREFILL_ATTENTION" in str(exc.value)

@@ -55,6 +55,8 @@ REUSE_BLOCK_TOKENS = TOKEN_ALIGN  # reusable cuts are multiples of kvpack's one 
 
 #: Environment override of ``prefill_forward="auto"``: ``lean``, ``graphs`` or ``model``.
 PREFILL_FORWARD_ENV = "KVPACK_PREFILL_FORWARD"
+#: ``prefill_attention="auto"`` takes this variable's value when set (an A/B switch).
+PREFILL_ATTENTION_ENV = "KVPACK_PREFILL_ATTENTION"
 
 _TORCH_TO_WIRE = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}
 
@@ -143,6 +145,10 @@ class TransformersEngine:
 
         if wanted not in ("auto", "lower_right", fast_prefill.SPLIT_KV, "sdpa"):
             raise EngineError("unsupported", f"prefill_attention {wanted!r}: auto, lower_right, split_kv or sdpa")
+        if wanted == "auto":
+            wanted = os.environ.get(PREFILL_ATTENTION_ENV, "") or "auto"
+            if wanted not in ("auto", "lower_right", fast_prefill.SPLIT_KV, "sdpa"):
+                raise EngineError("unsupported", f"${PREFILL_ATTENTION_ENV}={wanted!r}: lower_right, split_kv or sdpa")
         reason = fast_prefill.unsupported_reason(self.model)
         if wanted == "auto":
             wanted = "lower_right" if self.device.type == "cuda" and reason is None else "sdpa"
