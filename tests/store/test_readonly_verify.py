@@ -165,3 +165,28 @@ def test_verify_does_not_report_a_cut_forgotten_and_collected_while_it_ran(monke
     monkeypatch.setattr(maintenance._Checker, "cut", cut_then_collect)
     report = store.verify(read_data=True)
     assert report["ok"] and report["withdrawn"] == 1 and report["cuts"] == 2, report
+
+
+def test_verify_reports_a_damaged_cut_whose_entry_turned_malformed_while_it_ran(monkeypatch, tmp_path):
+    """The entry of a damaged cut is overwritten with garbage while verify checks the cut:
+    verify still reports (the cut's problems stand; the malformed entry is not a withdrawal)
+    instead of failing with the 'corrupt' refusal re-reading the entry raised."""
+    from kvpack.store import maintenance
+
+    store = PosixBackend().new(str(tmp_path))
+    session_with(engine(), TOKENS[:600], store)
+    top = max(store.ls(), key=lambda r: r["tokens"])
+    mid = bytes.fromhex(top["manifest_id"])
+    os.unlink(store.logits_path(mid))
+    real = maintenance._Checker.cut
+
+    def cut_then_garble(self, node, m):
+        problems = real(self, node, m)
+        if m == mid:
+            store.env.write(f"index/{node.hex()}", b"garbage\n")
+        return problems
+
+    monkeypatch.setattr(maintenance._Checker, "cut", cut_then_garble)
+    report = store.verify(read_data=False)
+    assert not report["ok"] and report["withdrawn"] == 0 and report["cuts"] == 3
+    assert any("final-logits" in p for p in report["problems"]), report["problems"]

@@ -211,12 +211,23 @@ def verify(store: PackStore, *, read_data: bool = True) -> dict:
         checker = _Checker(store, read_data)
         for node, mid in index_entries(store, problems):
             found = checker.cut(node, mid)
-            if found and store._read_index(node) != mid:
+            if found and not _still_indexed(store, node, mid):
                 withdrawn += 1  # forgotten or replaced while checked (gc may have taken its objects)
                 continue
             problems.extend(p["problem"] if p["problem"].startswith("cut ") else f"cut {mid.hex()}: {p['problem']}" for p in found)
             cuts += 1
     return {"cuts": cuts, "chunks_checked": checker.chunks_checked, "problems": problems, "ok": not problems, "withdrawn": withdrawn}
+
+
+def _still_indexed(store: PackStore, node: bytes, mid: bytes) -> bool:
+    """Whether the entry at ``node`` still names ``mid``; an entry that became malformed
+    meanwhile counts as still there (its cut's problems stand, and verify reports no
+    withdrawal for damage). An I/O error refuses like any other read."""
+    try:
+        return store._read_index(node) == mid
+    except StoreError as exc:
+        _verdict_only(exc)
+        return True
 
 
 def quarantine(store: PackStore, node: bytes, mid: bytes | None, problems: list[dict], *, by: str) -> dict:
