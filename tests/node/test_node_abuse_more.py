@@ -39,6 +39,7 @@ import struct
 import tempfile
 import threading
 import time
+from typing import Optional
 
 import pytest
 
@@ -623,6 +624,107 @@ def test_stripes_connect_concurrently_and_one_stalled_stripe_aborts_all(pair):
     node._advertised_port = None
     res = node.generate(_prompt(9, 2000), 2, stripes=4)
     assert res["transfer"]["stripes"] == 4
+
+
+class _FreezeProxy:
+    """A loopback relay that, once ``frozen`` is set, stops reading and forwarding in both
+    directions and holds its sockets open: a decode node whose process froze (SIGSTOP) or
+    whose network black-holes, as the producer sees it -- no byte, no close, no reset.
+    ``freeze_after``: set ``frozen`` once that many client bytes went through."""
+
+    def __init__(self, target: int, frozen: threading.Event, freeze_after: Optional[int] = None) -> None:
+        self.target, self.frozen, self.freeze_after = target, frozen, freeze_after
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8192)  # a frozen peer's window fills fast
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.port = self.sock.getsockname()[1]
+        self.up = 0
+        self.closing = threading.Event()
+        self._socks: list[socket.socket] = []
+        self._threads = [threading.Thread(target=self._accept, daemon=True)]
+        self._threads[0].start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.sock.accept()
+            except OSError:
+                return
+            server = socket.create_connection(("127.0.0.1", self.target))
+            self._socks += [client, server]
+            t = threading.Thread(target=self._relay, args=(client, server), daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def _relay(self, client: socket.socket, server: socket.socket) -> None:
+        import select
+
+        try:
+            while not self.closing.is_set():
+                if self.frozen.is_set():
+                    time.sleep(0.05)
+                    continue
+                ready, _, _ = select.select([client, server], [], [], 0.05)
+                for s in ready:
+                    data = s.recv(1 << 14)
+                    if not data:
+                        return
+                    (server if s is client else client).sendall(data)
+                    if s is client:
+                        self.up += len(data)
+                        if self.freeze_after is not None and self.up >= self.freeze_after:
+                            self.frozen.set()
+        except OSError:
+            return
+
+    def close(self) -> None:
+        self.closing.set()
+        self.sock.close()
+        for s in self._socks:
+            s.close()
+        for t in self._threads:
+            t.join(timeout=2)
+
+
+def test_a_frozen_receiver_holds_a_producer_job_only_until_the_requests_deadline(pair):
+    """The decode node freezes mid-transfer (its data and control connections go silent, no
+    close). The producer's job ends at the request's deadline (C.14 deadline_unix_ms, here
+    4 s): aborted, its prefill slot free, its stripe threads gone. Before, the producer
+    ignored the deadline: the job sat in a blocked write, or in the 60 s ack wait, as long
+    as the peer stayed frozen, holding a prefill slot each time."""
+    import dataclasses
+
+    from kvpack.errors import KvpackError
+
+    p = pair(decode_slots=1, prefill_slots=1)
+    node = p.receiver
+    link = node.links[0]
+    frozen = threading.Event()
+    ctl_proxy = _FreezeProxy(p.producer.control_port, frozen)
+    data_proxy = _FreezeProxy(node.data_port, frozen, freeze_after=64 << 10)
+    direct_port = link.control.port
+    link.control.port = ctl_proxy.port
+    node._advertised_port = data_proxy.port
+    link.config = dataclasses.replace(link.config, timeout_ms=4000)  # the request's deadline: t0 + 4 s
+    before = [(list(s.session.tokens), s.session.cache_digest()) for s in node.slots.slots]
+    try:
+        with pytest.raises(KvpackError):  # the decode node gives up on its own side too
+            node.generate(_prompt(5, 6000), 2, stripes=2)
+        assert frozen.is_set()
+        # the producer cannot hear from the frozen node: it must end the job on its own
+        assert _wait(lambda: p.producer._slots._value == p.producer.prefill_slots, 20), "the job still holds its prefill slot"
+        assert _wait(lambda: receipts(p.pdir) and receipts(p.pdir)[-1].get("verdict") == "failed", 5)
+        last = receipts(p.pdir)[-1]
+        assert last["reason"] == "aborted" and "deadline passed" in last["detail"], last
+        assert _wait(lambda: not [t for t in threading.enumerate() if t.name.startswith("kvpack-producer-stripe-")], 10)
+    finally:
+        ctl_proxy.close()
+        data_proxy.close()
+    assert [(list(s.session.tokens), s.session.cache_digest()) for s in node.slots.slots] == before  # nothing installed
+    link.control.port, node._advertised_port = direct_port, None
+    link.config = dataclasses.replace(link.config, timeout_ms=900_000)
+    assert len(node.generate(_prompt(9, 600), 2)["tokens"]) == 2  # served again
 
 
 def test_a_half_closing_client_gets_its_reply_and_a_full_close_still_cancels(pair):

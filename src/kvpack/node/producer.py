@@ -546,6 +546,9 @@ class _Job:
         self._feeder: Optional[threading.Thread] = None
         self._feed_error: Optional[BaseException] = None
         self._aborting = False
+        #: the request's deadline (C.14 ``deadline_unix_ms``) on this host's monotonic clock:
+        #: the whole job -- connects, prefill, writes, acks -- ends by it
+        self.end = time.monotonic() + max(0.0, (req.deadline_unix_ms - now_ms()) / 1000.0)
 
     def run(self) -> "_Job":
         node = self.node
@@ -605,7 +608,7 @@ class _Job:
         ep, ctx = node._data[self.receiver.name]
         key = node._keys[self.receiver.name]
         senders = [Sender(self._manifest(gen, i), key, prefix_cut=self.cut, hash_executor=node._hash_pool or INLINE) for i, gen in enumerate(gens)]
-        end = time.monotonic() + node.stripe_connect_s
+        end = min(time.monotonic() + node.stripe_connect_s, self.end)
         lock = threading.Lock()
         opened: dict[int, _StripeOut] = {}
         failed: list[tuple[int, BaseException]] = []
@@ -750,6 +753,16 @@ class _Job:
                 raise s.error
         if readable(self.ctl.sock):  # errata H2: the receiver spoke or left: cancel
             raise _Cancelled()
+        self._check_deadline()
+
+    def _check_deadline(self) -> None:
+        """The request's deadline bounds the job: a receiver that stops reading (its
+        process frozen, a black-holed network: neither its data nor its control connection
+        ever says so) used to hold the job, its prefill slot and its threads in a blocked
+        write or an ack wait indefinitely. Past it the job is aborted (a stuck write is
+        interrupted by the abort)."""
+        if time.monotonic() >= self.end:
+            raise ProtocolError("aborted", f"the request's deadline passed (deadline_unix_ms {self.req.deadline_unix_ms}) before every stripe was acknowledged", remote=False)
 
     def _put(self, payload, seg) -> None:
         stripe = self.stripes[self.next_tile % self.count]
@@ -833,6 +846,7 @@ class _Job:
                 s.thread.join(timeout=0.1)
                 if readable(self.ctl.sock):
                     raise _Cancelled()
+                self._check_deadline()
             if s.error is not None:
                 raise s.error
         self.ns["transfer_acked"] = max(s.acked_ns for s in self.stripes)
