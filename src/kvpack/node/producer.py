@@ -762,7 +762,9 @@ class _Job:
         write or an ack wait indefinitely. Past it the job is aborted (a stuck write is
         interrupted by the abort)."""
         if time.monotonic() >= self.end:
-            raise ProtocolError("aborted", f"the request's deadline passed (deadline_unix_ms {self.req.deadline_unix_ms}) before every stripe was acknowledged", remote=False)
+            raise ProtocolError(
+                "aborted", f"the request's deadline passed (deadline_unix_ms {self.req.deadline_unix_ms}) before every stripe was acknowledged", remote=False
+            )
 
     def _put(self, payload, seg) -> None:
         stripe = self.stripes[self.next_tile % self.count]
