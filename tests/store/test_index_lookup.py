@@ -26,7 +26,7 @@ def test_batched_index_lookup_matches_sequential_and_costs_one_get_on_a_deepest_
     store = S3Backend(seaweed).new(tmp_path, name="lookup")
     eng = engine()
     session_with(eng, TOKENS[:768], store)  # cuts 256, 512, 768
-    gets = IndexGets(store.env.client)
+    gets = IndexGets(store.env.for_lookup().client)  # lookups read through the short-timeout client
     assert store.env.io_parallelism > 1
     prompts = [TOKENS[:n] for n in (300, 768, 1000, 1200)] + [[(t + 1) % 64 for t in TOKENS]]
     batched = [store.find_deepest(p, eng.layout, eng.ids()) for p in prompts]

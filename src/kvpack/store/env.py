@@ -153,6 +153,13 @@ class StorageEnv(abc.ABC):
         (hex) gc must treat as live while the lease is held, even if no index entry names
         them any more. Waits (bounded) for a conflicting holder; raises StoreError("locked")."""
 
+    def for_lookup(self) -> "StorageEnv":
+        """The environment a lookup's small reads go through (index entries, the existence
+        of a cut's pack and logits objects, a logits header): a network backend answers with
+        short timeouts and few retries there, so a server that hangs costs a lookup seconds
+        before the caller recomputes, not minutes. Default: this environment."""
+        return self
+
     def check_lease(self) -> AbstractContextManager[None]:
         """What a read-only check (``verify``) holds while it reads: never a write to the
         store, so a check works with read-only credentials or on a read-only mount. Default

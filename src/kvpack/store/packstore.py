@@ -321,9 +321,9 @@ class PackStore:
         chain.extend(np.asarray(tokens, dtype=np.int64))
         return chain
 
-    def _read_index_versioned(self, node_id: bytes) -> tuple[bytes, str] | None:
+    def _read_index_versioned(self, node_id: bytes, env: StorageEnv | None = None) -> tuple[bytes, str] | None:
         """``(manifest id, version)`` of an index entry, or None; malformed entries refuse."""
-        got = self.env.read_versioned(index_name(node_id))
+        got = (env or self.env).read_versioned(index_name(node_id))
         if got is None:
             return None
         text, version = got
@@ -335,11 +335,11 @@ class PackStore:
             raise StoreError("corrupt", f"index entry {node_id.hex()} is malformed")
         return mid, version
 
-    def _read_index(self, node_id: bytes) -> bytes | None:
-        got = self._read_index_versioned(node_id)
+    def _read_index(self, node_id: bytes, env: StorageEnv | None = None) -> bytes | None:
+        got = self._read_index_versioned(node_id, env)
         return None if got is None else got[0]
 
-    def _index_deepest_first(self, nodes: Sequence[Any]) -> Iterator[tuple[Any, bytes | None | StoreError]]:
+    def _index_deepest_first(self, nodes: Sequence[Any], env: StorageEnv | None = None) -> Iterator[tuple[Any, bytes | None | StoreError]]:
         """``(node, manifest id or None, or the StoreError reading the entry raised)`` for each
         of ``nodes`` (deepest first), in that order. On a network backend the entries are
         fetched ahead in parallel batches of 1, 2, 4, ... up to ``io_parallelism``: a lookup
@@ -350,14 +350,14 @@ class PackStore:
         if batch <= 1:
             for node in nodes:
                 try:
-                    yield node, self._read_index(node.node_id)
+                    yield node, self._read_index(node.node_id, env)
                 except StoreError as exc:
                     yield node, exc
             return
 
         def fetch(node: Any) -> bytes | None | StoreError:
             try:
-                return self._read_index(node.node_id)
+                return self._read_index(node.node_id, env)
             except StoreError as exc:
                 return exc
 
@@ -373,9 +373,10 @@ class PackStore:
             # the reads of the batch still in flight: they finish on their own
             pool.shutdown(wait=False, cancel_futures=True)
 
-    def _complete(self, mid: bytes) -> bool:
+    def _complete(self, mid: bytes, env: StorageEnv | None = None) -> bool:
         """The cut's pack and final-logits object both exist (cheap; not a verification)."""
-        return self.env.exists(pack_name(mid)) and self.env.exists(logits_name(mid))
+        env = env or self.env
+        return env.exists(pack_name(mid)) and env.exists(logits_name(mid))
 
     # -- lookup ----------------------------------------------------------------------------
     def find_deepest(
@@ -424,7 +425,8 @@ class PackStore:
             run += 1
             return run >= UNREADABLE_RUN
 
-        for node, mid in self._index_deepest_first(nodes):
+        quick = self.env.for_lookup()  # short timeouts on a network backend (a hung server)
+        for node, mid in self._index_deepest_first(nodes, quick):
             if isinstance(mid, StoreError):
                 if mid.category != "corrupt":
                     if passed_over(node.node_id, mid):  # the storage failed: not a verdict
@@ -438,8 +440,8 @@ class PackStore:
                 run = 0
                 continue
             try:
-                complete = self._complete(mid)
-                prefix_cut = complete and require_logits and self._is_prefix_cut(mid)
+                complete = self._complete(mid, quick)
+                prefix_cut = complete and require_logits and self._is_prefix_cut(mid, quick)
             except StoreError as exc:
                 if passed_over(node.node_id, exc):
                     return None
@@ -454,12 +456,12 @@ class PackStore:
             return Hit(mid, node.cumulative_count, node.node_id)
         return None
 
-    def _is_prefix_cut(self, mid: bytes) -> bool:
+    def _is_prefix_cut(self, mid: bytes, env: StorageEnv | None = None) -> bool:
         """Whether the cut's logits object is a prefix marker (its plaintext is the manifest
         id alone). Reads the fixed header only; an unreadable object is not a prefix cut here
         (restore verifies it and refuses)."""
         try:
-            head = self.env.read_range(logits_name(mid), 0, C.HEADER_BYTES)
+            head = (env or self.env).read_range(logits_name(mid), 0, C.HEADER_BYTES)
             return len(head) == C.HEADER_BYTES and ChunkHeader.parse(head).plaintext_bytes == PREFIX_MARKER_BYTES
         except (ObjectMissing, FormatError):
             return False

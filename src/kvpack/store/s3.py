@@ -25,6 +25,7 @@ line naming the operation; a missing object is :class:`~kvpack.store.env.ObjectM
 
 from __future__ import annotations
 
+import copy
 import errno
 import json
 import os
@@ -44,6 +45,10 @@ LEASE_TTL_S = 120.0
 MULTIPART_THRESHOLD = 16 << 20
 PART_BYTES = 8 << 20
 RANGE_BYTES = 8 << 20
+#: a lookup's small reads (S3Env.for_lookup): seconds per connect and per socket read, and
+#: attempts (an index entry is 65 bytes: a healthy server answers in milliseconds)
+LOOKUP_TIMEOUT_S = 5.0
+LOOKUP_ATTEMPTS = 2
 #: rewritten (random bytes, so a new ETag) by every gc sweep before it reads the leases
 GC_EPOCH = "gc.epoch"
 #: name prefix of the leases gc holds while it sweeps (publishers list them)
@@ -151,13 +156,35 @@ class S3Env(StorageEnv):
         self.part_bytes = PART_BYTES
         self.range_bytes = RANGE_BYTES
         self._pool = ThreadPoolExecutor(8, thread_name_prefix="kvpack-s3")
+        #: how from_url made the client (for_lookup makes a quick one alike), and that one
+        self._client_args: dict[str, Any] | None = None
+        self._quick: S3Env | None = None
+        self._quick_lock = threading.Lock()
 
     @classmethod
     def from_url(cls, url: str, *, endpoint: str | None = None, credentials_file: str | None = None, gc_grace_s: float | None = None) -> "S3Env":
         bucket, _, prefix = url[len("s3://") :].partition("/")
         if not bucket:
             raise StoreError("usage", f"{url!r}: expected s3://bucket/prefix")
-        return cls(make_client(endpoint=endpoint, credentials_file=credentials_file), bucket, prefix, endpoint=endpoint, gc_grace_s=gc_grace_s)
+        env = cls(make_client(endpoint=endpoint, credentials_file=credentials_file), bucket, prefix, endpoint=endpoint, gc_grace_s=gc_grace_s)
+        env._client_args = {"endpoint": endpoint, "credentials_file": credentials_file}
+        return env
+
+    def for_lookup(self) -> "S3Env":
+        """This env with a client of short timeouts (``LOOKUP_TIMEOUT_S`` per connect and
+        socket read, ``LOOKUP_ATTEMPTS`` attempts) for a lookup's small reads: the default
+        client waits 30 s per read and tries 3 times, and a lookup against a hung server (it
+        accepts connections and never answers) took 250 s to fall back to recomputing. Made
+        once, on first use; an env built around a given client (no ``from_url``) keeps it."""
+        if self._client_args is None:
+            return self
+        with self._quick_lock:
+            if self._quick is None:
+                quick = copy.copy(self)
+                quick.client = make_client(**self._client_args, timeout_s=LOOKUP_TIMEOUT_S, attempts=LOOKUP_ATTEMPTS)
+                quick._client_args = None
+                self._quick = quick
+            return self._quick
 
     def key(self, name: str) -> str:
         return self.prefix + name
@@ -445,8 +472,9 @@ def check_endpoint(endpoint: str) -> None:
 
 
 def make_client(*, endpoint: str | None = None, credentials_file: str | None = None, timeout_s: float = 30.0, attempts: int = 3) -> Any:
-    """A boto3 S3 client: path-style addressing, bounded retries and timeouts, no extra
-    checksums (kvpack verifies SHA-256 digests itself). Credentials from the file, else the
+    """A boto3 S3 client: path-style addressing, ``attempts`` attempts per request in all,
+    ``timeout_s`` per socket read (and at most 10 s per connect), no extra checksums
+    (kvpack verifies SHA-256 digests itself). Credentials from the file, else the
     AWS environment variables (boto3's own chain)."""
     import boto3
     from botocore.config import Config
@@ -458,7 +486,9 @@ def make_client(*, endpoint: str | None = None, credentials_file: str | None = N
     creds: dict[str, str] = load_credentials(credentials_file) if credentials_file else {}
     config = Config(
         s3={"addressing_style": "path"},
-        retries={"max_attempts": attempts, "mode": "standard"},
+        # total attempts, the first included: botocore reads "max_attempts" as retries after
+        # the first, so attempts=3 made 4 and the readiness probe's attempts=1 made 2
+        retries={"total_max_attempts": attempts, "mode": "standard"},
         connect_timeout=min(10.0, timeout_s),
         read_timeout=timeout_s,
         max_pool_connections=32,
