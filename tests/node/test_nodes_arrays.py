@@ -303,6 +303,21 @@ def test_a_producer_with_another_engine_than_its_receivers_admit_refuses_to_star
     ok.stop()
 
 
+def test_a_producer_config_without_identities_starts_and_says_it_is_not_checked(tmp_path, caplog):
+    """A producer.json from before enrollment recorded identities still starts (with any
+    engine: the receiver's own check remains), and says once that it did not check."""
+    import logging
+
+    enrolled = Enrolled(str(tmp_path / "cluster"), load_engine(ENGINE))
+    cfg = enrolled.producer_config_without_identities()
+    other = load_engine("arrays:4:2:16")
+    with caplog.at_level(logging.WARNING, logger="kvpack.node.producer"):
+        node = ProducerNode(cfg, other, receipts_dir=str(tmp_path / "p"), metrics_port=None).start()
+    node.stop()
+    lines = [r.getMessage() for r in caplog.records if r.name == "kvpack.node.producer"]
+    assert len(lines) == 1 and "decode-a have no recorded identity" in lines[0], lines
+
+
 def test_wrong_client_certificate_is_refused(nodes, tmp_path):
     n = nodes()
     n.receiver.generate(PROMPT[:300], 4)

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import queue
 import socket
@@ -72,6 +73,8 @@ from .status import attach_producer
 from .striping import stripe_count, stripe_transfer_id
 from .transport import Limits, Listener, bind_tcp
 from .wire import TileGeometry, copy_prefix, pack_tile, span_layout, tile_pieces, wire_identity
+
+log = logging.getLogger("kvpack.node.producer")
 
 EXPIRY_MS = 900_000  # errata H3: prefilld's begin expires 900 s after creation
 MAX_ERROR = 1024
@@ -280,9 +283,17 @@ class ProducerNode:
         this config was enrolled to admit (before: the producer started, prefilled each
         request, and every begin was refused ``identity`` by the receiver)."""
         mine = self.exact.to_json()
+        unchecked = [r.name for r in self.config.receivers if r.identity is None]
+        if unchecked:  # a config written before enrollment recorded identities
+            log.warning(
+                "%s: receiver(s) %s have no recorded identity: the engine's identity is not checked at start "
+                "(a mismatch shows only as identity refusals at the receiver); re-enroll to record it",
+                self.config.path,
+                ", ".join(unchecked),
+            )
         for r in self.config.receivers:
             if r.identity is None:
-                continue  # a config written before enrollment recorded identities
+                continue
             if r.identity != mine or r.target_cache_identity_sha256 != self.target:
                 which = "identity" if r.identity != mine else "target cache identity"
                 diff = sorted(k for k in set(mine) | set(r.identity) if mine.get(k) != r.identity.get(k)) if r.identity != mine else []
