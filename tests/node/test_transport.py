@@ -269,3 +269,19 @@ def test_the_rest_of_a_burst_of_refusals_is_written_without_another_refusal(tmp_
         assert _eventually(lambda: sum(x["counts"]["handshake_timeout"] for x in written()) == 5, 5.0), written()
     finally:
         rlog.close(timeout=5.0)
+
+
+def test_a_closed_refusal_log_answers_a_flush_at_once(tmp_path):
+    # a node stopped twice (a failed start, then the caller's stop) flushes a closed log:
+    # no writer will answer, so the flush must not wait out its timeout
+    rlog = RefusalLog("producer", str(tmp_path / "refusals.log"), interval_s=0.0)
+    rlog.count("tls", "not TLS", "127.0.0.1:1")
+    rlog.close(timeout=5.0)
+    assert rlog._writer is not None
+    rlog._writer.join(5.0)  # the writer ends after its last pass
+    assert not rlog._writer.is_alive() and rlog.lines_written == 1
+    rlog.count("tls", "not TLS", "127.0.0.1:2")  # counted after close: totals only
+    t0 = time.monotonic()
+    assert rlog.flush(timeout=30.0) is None
+    assert time.monotonic() - t0 < 10.0  # not the 30 s timeout
+    assert rlog.snapshot()["totals"] == {"tls": 2} and rlog.lines_written == 1

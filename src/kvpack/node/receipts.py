@@ -319,10 +319,13 @@ class RefusalLog:
                 self._writer.start()
         return True
 
-    def _kick(self) -> None:
-        """Wake the writer thread (start it first if needed); never waits for it."""
+    def _kick(self) -> bool:
+        """Wake the writer thread (start it first if needed); never waits for it. False
+        once closed (no writer will answer)."""
         if self._start_writer():
             self._wake.set()
+            return True
+        return False
 
     def _write_loop(self) -> None:
         while True:
@@ -380,7 +383,8 @@ class RefusalLog:
         with self._lock:
             self._requested += 1
             ticket = self._requested
-        self._kick()
+        if not self._kick():
+            return None  # closed: nothing more is written (a second stop returns at once)
         end = time.monotonic() + wait
         with self._lock:
             while self._answered < ticket:
