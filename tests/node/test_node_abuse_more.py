@@ -626,6 +626,35 @@ def test_stripes_connect_concurrently_and_one_stalled_stripe_aborts_all(pair):
     assert res["transfer"]["stripes"] == 4
 
 
+def test_a_client_leaving_while_stripes_connect_ends_the_job_at_once(pair):
+    """The client hangs up while the producer is still connecting a job's stripes (one of
+    them stalled by a relay, under the default 10 s connect deadline): the decode node cancels
+    and closes the control connection, and the producer, which watches it while it waits for
+    its stripes, aborts the job and frees its prefill slot within seconds, not at the connect
+    deadline; nothing is installed."""
+    p = pair(decode_slots=1, prefill_slots=1)
+    node = p.receiver
+    before = [(list(s.session.tokens), s.session.cache_digest()) for s in node.slots.slots]
+    proxy = _HoldProxy(node.data_port, victim=0)
+    node._advertised_port = proxy.port
+    try:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(p.socket)
+        s.sendall(json.dumps({"tokens": _prompt(4, 2000), "max_new_tokens": 2, "stripes": 4}).encode() + b"\n")
+        assert _wait(lambda: bool(proxy.held), 10)  # the producer is connecting its stripes
+        assert p.producer._slots._value == 0
+        s.close()  # the client leaves
+        t_closed = time.monotonic()
+        assert _wait(lambda: p.producer._slots._value == p.producer.prefill_slots, 8), "the job waited for its stripes"
+        assert time.monotonic() - t_closed < 5.0  # well before the 10 s connect deadline
+        assert _wait(lambda: node.slots.busy() == 0, 5)
+    finally:
+        proxy.close()
+    assert [(list(s.session.tokens), s.session.cache_digest()) for s in node.slots.slots] == before
+    node._advertised_port = None
+    assert node.generate(_prompt(9, 2000), 2, stripes=4)["transfer"]["stripes"] == 4
+
+
 class _FreezeProxy:
     """A loopback relay that, once ``frozen`` is set, stops reading and forwarding in both
     directions and holds its sockets open: a decode node whose process froze (SIGSTOP) or
