@@ -81,6 +81,10 @@ def _damage(store, eng, kind: str, server=None) -> None:
         flip(store, f"packs/{chain[1].manifest_id().hex()}.kvpkp", 150)
     elif kind == "malformed_index_entry":
         env.write(f"index/{top.node_id.hex()}", b"not hex at all\n")
+    elif kind == "short_hex_index_entry":
+        env.write(f"index/{top.node_id.hex()}", mid.hex()[:8].encode() + b"\n")  # a truncated entry
+    elif kind == "oversized_index_entry":
+        env.write(f"index/{top.node_id.hex()}", mid.hex().encode() * 4096)  # 256 KiB of valid hex digits
     elif kind == "root_chunk_flipped":
         # a chunk of the full cut at the bottom of the chain: every delta above shares it
         ref = next(r for k, _s, r in chain[-1].chunk_refs() if k.layer == 0)
@@ -103,13 +107,24 @@ KINDS = [
     "parent_pack_corrupt",
     "root_chunk_flipped",
     "malformed_index_entry",
+    "short_hex_index_entry",
+    "oversized_index_entry",
 ]
 
 
 #: every kind on a directory; on S3 the kinds that take other paths there (an empty object
 #: is a 416 to a ranged GET; missing objects are 404s; a parent shared by the whole chain)
 CASES = [("posix", kind) for kind in KINDS] + [
-    ("s3", kind) for kind in ("zero_length_chunk", "chunk_swapped_same_size", "missing_pack", "index_to_missing_pack", "root_chunk_flipped")
+    ("s3", kind)
+    for kind in (
+        "zero_length_chunk",
+        "chunk_swapped_same_size",
+        "missing_pack",
+        "index_to_missing_pack",
+        "root_chunk_flipped",
+        "short_hex_index_entry",
+        "oversized_index_entry",
+    )
 ]
 
 
@@ -505,3 +520,41 @@ def test_the_decode_nodes_ladder_quarantines_the_damaged_entries_it_passes_over(
     assert plan.tier == "durable" and 0 < plan.matched < damaged.cut
     assert [i.name for i in store.env.list("quarantine/")], "no receipt for the damaged entry"
     assert not store.env.exists(f"index/{damaged.node_id.hex()}")
+
+
+@pytest.mark.skipif(not hasattr(os, "truncate"), reason="sparse files")
+def test_an_index_entry_of_gigabytes_is_malformed_without_being_read_into_memory(tmp_path):
+    """A damaged (or hostile) index entry of 8 GiB -- a sparse file here -- is read for at
+    most MAX_INDEX_ENTRY_BYTES + 1 bytes: lookups pass over it, healing quarantines it (its
+    compare-and-swap version hashed blockwise), repair and verify stay within memory. Run in
+    a child limited to 3 GiB of address space: before, the lookup read the whole file
+    (MemoryError)."""
+    import resource
+
+    store = PosixBackend().new(tmp_path)
+    eng = _engine()
+    session_with(eng, TOKENS, store)
+    top = store.find_deepest(TOKENS, eng.layout, eng.ids())
+    with open(store.index_path(top.node_id), "r+b") as fh:
+        fh.truncate(8 << 30)
+    child = f"""
+import sys
+sys.path.insert(0, {os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))!r})
+from tests.store.helpers import TOKENS, engine
+from kvpack.store import PackStore
+eng = engine()
+store = PackStore.open({store.path!r})
+assert store.find_deepest(TOKENS, eng.layout, eng.ids()).cut == 1024
+found = store.lookup_restore(TOKENS, eng.new_session())
+assert found.hit.cut == 1024 and len(found.quarantined) == 1, found
+assert found.quarantined[0]["index_entry_removed"], found.quarantined
+assert store.verify(read_data=False)["ok"]
+print("ok")
+"""
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
+
+    r = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=300, preexec_fn=limit)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
+    assert not os.path.exists(store.index_path(top.node_id))

@@ -162,8 +162,8 @@ def test_seaweedfs_stopped_mid_lookup_is_a_miss_that_heals_nothing(tmp_path):
         class KilledAfterFirstIndexRead(S3Env):
             killed = False
 
-            def read_versioned(self, name):
-                got = super().read_versioned(name)
+            def read_versioned(self, name, **kw):
+                got = super().read_versioned(name, **kw)
                 if name.startswith("index/") and not KilledAfterFirstIndexRead.killed:
                     KilledAfterFirstIndexRead.killed = True
                     server.kill()

@@ -138,8 +138,12 @@ class StorageEnv(abc.ABC):
         ``batch``: durability may wait for :meth:`commit` (gc deleting many objects)."""
 
     @abc.abstractmethod
-    def read_versioned(self, name: str) -> tuple[bytes, str] | None:
-        """``(data, version)`` of a small object (an index entry), or None."""
+    def read_versioned(self, name: str, *, max_bytes: int | None = None) -> tuple[bytes, str] | None:
+        """``(data, version)`` of a small object (an index entry), or None. ``max_bytes``:
+        read no more than ``max_bytes + 1`` bytes into memory; an object larger than
+        ``max_bytes`` comes back cut short, with the version of the whole object (its reader
+        refuses it as malformed and may still remove it with a compare-and-swap; the bound
+        keeps a damaged or hostile multi-GB "entry" out of memory)."""
 
     @abc.abstractmethod
     def write_if(self, name: str, data: bytes, version: str | None) -> bool:

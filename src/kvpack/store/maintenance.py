@@ -30,7 +30,7 @@ from ..errors import FormatError, StoreError
 from ..format.chunk import ChunkHeader, decode_chunk, decode_chunk_one_pass
 from ..format.objects import ChunkRef, Manifest
 from .env import GC, RESTORE, Lease, ObjectInfo
-from .packstore import Hit, PackStore, chunk_name, index_name, logits_name, pack_name
+from .packstore import MAX_INDEX_ENTRY_BYTES, Hit, PackStore, chunk_name, index_name, logits_name, pack_name
 
 RECEIPT_FORMAT = "kvpack-quarantine"
 
@@ -247,12 +247,14 @@ def quarantine(store: PackStore, node: bytes, mid: bytes | None, problems: list[
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     receipt_name = f"quarantine/{stamp}-{(mid or node).hex()[:16]}-{secrets.token_hex(4)}.json"
     store.env.write(receipt_name, json.dumps(receipt, indent=1, sort_keys=True).encode() + b"\n", create_only=True)
-    got = store.env.read_versioned(index_name(node))
+    got = store.env.read_versioned(index_name(node), max_bytes=MAX_INDEX_ENTRY_BYTES)  # an oversized one parses as malformed
     if got is not None:
         try:
-            named = bytes.fromhex(got[0].strip().decode())
+            named: bytes | None = bytes.fromhex(got[0].strip().decode())
         except (ValueError, UnicodeDecodeError):
             named = None
+        if named is not None and (len(named) != 32 or len(got[0]) > MAX_INDEX_ENTRY_BYTES):
+            named = None  # hex of the wrong length (a truncated entry) is malformed too
         # mid None: a malformed entry, removed only while it still is one (a save may have
         # replaced it with a valid entry since it was read)
         if (named is None and mid is None) or (mid is not None and named == mid):

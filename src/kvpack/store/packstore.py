@@ -55,6 +55,9 @@ STORE_VERSION = 1
 #: flight, while every chunk also costs fixed host work (measured on the H200: 2 MiB restores
 #: 8k tokens as fast as 1 MiB and 32k faster; docs/benchmarks.md, issue 20).
 DEFAULT_CHUNK_BYTES = 2 << 20
+#: the most bytes an index entry is read for (64 hex digits and a newline are 65): a longer
+#: object under index/ is malformed, and a lookup never reads more of it
+MAX_INDEX_ENTRY_BYTES = 128
 #: unreadable index entries in a row after which a lookup takes the storage for down and
 #: stops (a miss): one bad entry still lets the shallower ones serve (find_deepest)
 UNREADABLE_RUN = 3
@@ -323,10 +326,12 @@ class PackStore:
 
     def _read_index_versioned(self, node_id: bytes, env: StorageEnv | None = None) -> tuple[bytes, str] | None:
         """``(manifest id, version)`` of an index entry, or None; malformed entries refuse."""
-        got = (env or self.env).read_versioned(index_name(node_id))
+        got = (env or self.env).read_versioned(index_name(node_id), max_bytes=MAX_INDEX_ENTRY_BYTES)
         if got is None:
             return None
         text, version = got
+        if len(text) > MAX_INDEX_ENTRY_BYTES:
+            raise StoreError("corrupt", f"index entry {node_id.hex()} is malformed (more than {MAX_INDEX_ENTRY_BYTES} bytes)")
         try:
             mid = bytes.fromhex(text.strip().decode())
         except (ValueError, UnicodeDecodeError):

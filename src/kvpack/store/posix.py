@@ -135,8 +135,7 @@ class PosixEnv(StorageEnv):
         path = self._p(name)
         if if_version is not None:
             with self._cas_lock(name):
-                cur = self.read_versioned(name)
-                if cur is None or cur[1] != if_version:
+                if self._version(name) != if_version:
                     return False
                 return durable_unlink(path, ops=self.ops)
         if batch:
@@ -149,17 +148,41 @@ class PosixEnv(StorageEnv):
             return True
         return durable_unlink(path, ops=self.ops)
 
-    def read_versioned(self, name: str) -> tuple[bytes, str] | None:
+    def read_versioned(self, name: str, *, max_bytes: int | None = None) -> tuple[bytes, str] | None:
         try:
-            data = self.read(name)
+            if max_bytes is None:
+                data = self.read(name)
+            else:
+                data = self.read_range(name, 0, max_bytes + 1)
+                if len(data) > max_bytes:
+                    version = self._version(name)  # cut short: hashed blockwise, never held whole
+                    return None if version is None else (data, version)
         except ObjectMissing:
             return None
         return data, hashlib.sha256(data).hexdigest()[:32]
 
+    #: bytes per read when a version is hashed blockwise
+    VERSION_BLOCK = 1 << 20
+
+    def _version(self, name: str) -> str | None:
+        """The version of ``name`` (SHA-256 of its bytes, as :meth:`read_versioned` gives
+        it), hashed in blocks so an object of any size costs no more memory than a block;
+        None if it does not exist."""
+        h = hashlib.sha256()
+        offset = 0
+        try:
+            while True:
+                block = self.read_range(name, offset, self.VERSION_BLOCK)
+                h.update(block)
+                offset += len(block)
+                if len(block) < self.VERSION_BLOCK:
+                    return h.hexdigest()[:32]
+        except ObjectMissing:
+            return None
+
     def write_if(self, name: str, data: bytes, version: str | None) -> bool:
         with self._cas_lock(name):
-            cur = self.read_versioned(name)
-            if (cur[1] if cur is not None else None) != version:
+            if self._version(name) != version:
                 return False
             atomic_write(self._p(name), data, ops=self.ops, mode=0o600)
             return True

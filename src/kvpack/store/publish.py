@@ -37,7 +37,7 @@ from ..format.objects import ChunkRef, Manifest, PayloadState
 from ..format.pack import encode_pack
 from .env import PUBLISH, GcSeen, Lease, ObjectMissing
 from .mapping import logits_key, logits_span, semantic_id
-from .packstore import PackStore, SaveReport, _Context, _engine_ids, chunk_name, index_name, logits_name, pack_name
+from .packstore import MAX_INDEX_ENTRY_BYTES, PackStore, SaveReport, _Context, _engine_ids, chunk_name, index_name, logits_name, pack_name
 
 
 def save(
@@ -305,7 +305,7 @@ def _commit_index(store: PackStore, node_id: bytes, mid: bytes) -> bytes:
         try:
             cur = store._read_index_versioned(node_id)
         except StoreError:
-            got = store.env.read_versioned(name)  # malformed: replace it
+            got = store.env.read_versioned(name, max_bytes=MAX_INDEX_ENTRY_BYTES)  # malformed: replace it
             cur = (b"", got[1]) if got is not None else None
         if cur is None:
             continue  # removed meanwhile: try to create it again

@@ -346,11 +346,19 @@ class S3Env(StorageEnv):
             return False
         return True
 
-    def read_versioned(self, name: str) -> tuple[bytes, str] | None:
+    def read_versioned(self, name: str, *, max_bytes: int | None = None) -> tuple[bytes, str] | None:
         try:
             with self._call("get", name):
-                resp = self.client.get_object(Bucket=self.bucket, Key=self.key(name))
-                return resp["Body"].read(), resp["ETag"]
+                if max_bytes is None:
+                    resp = self.client.get_object(Bucket=self.bucket, Key=self.key(name))
+                    return resp["Body"].read(), resp["ETag"]
+                try:
+                    resp = self.client.get_object(Bucket=self.bucket, Key=self.key(name), Range=f"bytes=0-{max_bytes}")
+                except Exception as exc:
+                    if not self._range_not_satisfiable(exc):
+                        raise
+                    resp = self.client.get_object(Bucket=self.bucket, Key=self.key(name))  # an empty object
+                return resp["Body"].read(max_bytes + 1), resp["ETag"]  # the whole object's ETag
         except ObjectMissing:
             return None
 

@@ -183,7 +183,9 @@ class FaultyOps(FileOps):
 
     def read_range(self, path: str, offset: int, length: int) -> bytes:
         self._read_fault("read", path)
-        return super().read_range(path, offset, length)
+        data = super().read_range(path, offset, length)
+        # bounded reads (index entries, headers, blockwise versions) see the hook too
+        return self._corrupt_reads(path, data) if self._corrupt_reads is not None else data
 
     def readinto(self, path: str, region: memoryview):
         self._read_fault("read", path)
