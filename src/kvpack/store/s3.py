@@ -412,14 +412,18 @@ class S3Env(StorageEnv):
                     self.delete(info.name)  # a gc that died while sweeping
                 continue  # protects nothing
             try:
-                raw = json.loads(self.read(info.name))
-                ttl = float(raw.get("ttl_s", self.lease_ttl_s))
-            except (FileNotFoundError, ValueError, TypeError):
+                ttl, protects = _lease_body(self.read(info.name), self.lease_ttl_s)
+            except FileNotFoundError:
+                continue  # released meanwhile
+            except ValueError:
+                # damaged: protects nothing; nobody renews it once it is old
+                if now - info.mtime > 2 * self.lease_ttl_s:
+                    self.delete(info.name)
                 continue
             if now - info.mtime > 2 * ttl:
                 self.delete(info.name)  # its holder is gone
                 continue
-            out.update(str(m) for m in raw.get("protects", ()))
+            out.update(protects)
         return out
 
     def now(self) -> float:
@@ -453,6 +457,26 @@ class S3Env(StorageEnv):
 
     def close(self) -> None:
         self._pool.shutdown(wait=False)
+
+
+def _lease_body(data: bytes, default_ttl: float) -> tuple[float, list[str]]:
+    """``(ttl_s, protects)`` of a lease object; ValueError if it is not what _S3Lease writes
+    (a JSON object, ``ttl_s`` a positive finite number, ``protects`` a list of strings)."""
+    import math
+
+    try:
+        raw = json.loads(data)
+    except (ValueError, UnicodeDecodeError):
+        raise ValueError("not JSON") from None
+    if not isinstance(raw, dict):
+        raise ValueError("not a JSON object")
+    ttl = raw.get("ttl_s", default_ttl)
+    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not math.isfinite(ttl) or ttl <= 0:
+        raise ValueError("ttl_s is not a positive number")
+    protects = raw.get("protects", [])
+    if not isinstance(protects, list) or not all(isinstance(m, str) for m in protects):
+        raise ValueError("protects is not a list of manifest ids")
+    return float(ttl), protects
 
 
 def _total_from_range(content_range: str | None, got: int) -> int:
