@@ -192,6 +192,7 @@ def merge_stripes(infos: dict[int, dict]) -> dict:
         transfer_ids=[o.get("transfer_id") for o in ordered],
         generations=[o.get("generation") for o in ordered],
         receipt_paths=[o.get("receipt_path") for o in ordered],
+        receipt_states=[o.get("receipt_state") for o in ordered],
         timestamps={
             "admitted_unix_ns": min(s.get("admitted_unix_ns", 1 << 62) for s in stamps),
             "committed_unix_ns": max(s.get("committed_unix_ns", 0) for s in stamps),

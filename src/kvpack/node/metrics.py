@@ -28,6 +28,9 @@ Series (``role`` is ``receiver`` or ``producer``):
 * ``kvpack_ledger_reservations_total{role,result}`` and
   ``kvpack_ledger_reserve_seconds{role}``: durable reservations (receiver replay ledger,
   producer generation ledger) and their latency;
+* ``kvpack_receipts_{written,failures,deferred,late,dropped}_total{role}``,
+  ``kvpack_receipts_pending{role}`` and ``kvpack_receipts_writer_stuck_seconds{role}``: the
+  receipt writer (``deferred``: replies that went out before their receipt was on disk);
 * ``kvpack_prefilled_tokens_total{role}`` / ``kvpack_reused_tokens_total{role,tier}``:
   compute done and avoided;
 * ``kvpack_build_info{role,version,python}`` and ``kvpack_model_info{role,model,engine,
@@ -82,6 +85,37 @@ class _StoreCounters:
             family = CounterMetricFamily(name, helptext, labels=["role"])
             family.add_metric([self.role], float(getattr(self.store, attribute, 0) or 0))
             yield family
+
+
+class _ReceiptCounters:
+    """A collector of a :class:`~kvpack.node.receipts.ReceiptWriter`'s counters."""
+
+    COUNTERS = (
+        ("written", "Receipts published durably"),
+        ("failures", "Receipt writes that failed (full disk, EIO) or were dropped"),
+        ("deferred", "Replies that went out before their receipt was on disk (receipt pending: the receipts disk did not answer in time)"),
+        ("late", "Receipts written after their reply went out (the receipts disk answered again)"),
+        ("dropped", "Receipts dropped because too many were already waiting for the disk"),
+    )
+
+    def __init__(self, role: str, writer: Any) -> None:
+        self.role = role
+        self.writer = writer
+
+    def collect(self) -> Any:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        for attribute, helptext in self.COUNTERS:
+            family = CounterMetricFamily(f"kvpack_receipts_{attribute}", helptext, labels=["role"])
+            family.add_metric([self.role], float(getattr(self.writer, attribute, 0) or 0))
+            yield family
+        stats = self.writer.stats()
+        pending = GaugeMetricFamily("kvpack_receipts_pending", "Receipts held in memory waiting for the receipts disk", labels=["role"])
+        pending.add_metric([self.role], float(stats["pending"]))
+        yield pending
+        stuck = GaugeMetricFamily("kvpack_receipts_writer_stuck_seconds", "How long the receipt writer's current write has run (0: idle)", labels=["role"])
+        stuck.add_metric([self.role], float(stats["writer_stuck_s"] or 0.0))
+        yield stuck
 
 
 class NodeMetrics:
@@ -144,6 +178,15 @@ class NodeMetrics:
             return
         self._store_watched = True
         self.registry.register(_StoreCounters(self.role, store))
+
+    def watch_receipts(self, writer: Any) -> None:
+        """Export a receipt writer's counters, read at every scrape
+        (``kvpack_receipts_{written,failures,deferred,late,dropped}_total``,
+        ``kvpack_receipts_pending``, ``kvpack_receipts_writer_stuck_seconds``). Once."""
+        if getattr(self, "_receipts_watched", False):
+            return
+        self._receipts_watched = True
+        self.registry.register(_ReceiptCounters(self.role, writer))
 
     def describe_engine(self, engine: Any) -> dict[str, str]:
         """Set ``kvpack_model_info`` from an engine (any adapter); returns the labels."""

@@ -204,6 +204,7 @@ class ProducerNode:
         self.refusal_log = RefusalLog("producer", os.path.join(os.path.abspath(receipts_dir), "refusals.log"))
         self.receipts = ReceiptWriter(receipts_dir, refusal_log=self.refusal_log)
         self.metrics = NodeMetrics("producer")
+        self.metrics.watch_receipts(self.receipts)
         self.refusal_log.on_count = self.metrics.refusal
         self._metrics_port = metrics_port
         self.resident = ResidentRadix(resident_bytes)
@@ -312,6 +313,7 @@ class ProducerNode:
         elif self._sock is not None:
             self._sock.close()
         self.metrics.close()
+        self.receipts.close(timeout=1.0)  # what is queued, if the disk answers; never longer
         if self._hash_pool is not None:
             self._hash_pool.shutdown(wait=False, cancel_futures=True)
         if self.ledger is not None:
@@ -338,7 +340,7 @@ class ProducerNode:
         finally:
             job = receipt.pop("_job", None)
             if "receipt_path" not in receipt:
-                receipt["receipt_path"] = self.receipts.write({k: v for k, v in receipt.items() if not k.startswith("_")})
+                receipt.update(self.receipts.record({k: v for k, v in receipt.items() if not k.startswith("_")}))
             if job is not None:
                 try:
                     self._remember(receipt, job)  # off the critical path: the reply went out
@@ -431,12 +433,14 @@ class ProducerNode:
                 pass
             return
         # the receipt is evidence of a committed transfer (every stripe acked): it is on disk
-        # before the answer leaves, so whoever reads the answer finds it
+        # before the answer leaves, so whoever reads the answer finds it -- unless the receipts
+        # disk does not answer within ReceiptBudget.wait_s: then the answer goes out and the
+        # receipt follows when the disk answers (an audit record never holds a commit)
         answer = ControlResponse(rid, "committed", receipt=job.control_receipt)
         data = answer.encode()
         frames.append({"dir": "sent", "type": "committed", "bytes": len(data)})
         receipt.update(verdict="committed", receipt=job.control_receipt.to_json())
-        receipt["receipt_path"] = self.receipts.write(dict(receipt))
+        receipt.update(self.receipts.record(dict(receipt)))
         self.metrics.transfer("committed", job.control_receipt.payload_bytes)
         with self._remembered:  # counted before the answer: a next request sees it
             self._remembering += 1

@@ -14,6 +14,12 @@ thread and hung the local API. So the rules here are:
 * **Writes never raise.** A full or failing disk costs the one receipt (counted in
   :attr:`ReceiptWriter.failures`, logged at most once per interval); it never kills a
   thread, never blocks a request on an exception path, and never touches the ledger.
+* **Writes never hold a reply for long.** A receipt is an audit record, the replay ledger
+  the safety record: receipts are written by the writer's own thread from a bounded queue,
+  and a reply waits for its receipt at most ``ReceiptBudget.wait_s`` (1 s). A hung disk (an
+  fsync that never returns) makes later receipts ``pending`` -- the reply goes out, the
+  receipt is written when the disk answers -- and past the in-memory budget
+  (``max_pending`` receipts, ``max_pending_bytes``) receipts are dropped and counted.
 * **Refusals before authentication are aggregated.** A peer that has not passed mutual TLS
   gets no receipt: :class:`RefusalLog` counts it by reason, remembers the last detail, and
   writes one summary line per interval to the log and to a size-capped file
@@ -37,7 +43,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from ..durable import atomic_write, ensure_dir
+from ..durable import REAL_OPS, FileOps, atomic_write, ensure_dir
 
 RECEIPT_SCHEMA = "kvpack-node-receipt-v1"
 RECENT_RECEIPTS = 256
@@ -57,7 +63,10 @@ class ReceiptBudget:
 
     ``max_bytes``/``max_files``: the oldest receipts are deleted once either is exceeded;
     ``max_age_s``: receipts older than this are deleted (checked at most once a minute);
-    ``refusals_per_s``/``refusal_burst``: refusal receipts beyond this rate are only counted.
+    ``refusals_per_s``/``refusal_burst``: refusal receipts beyond this rate are only counted;
+    ``wait_s``: the longest a reply waits for its receipt (then it goes out, the receipt
+    ``pending``); ``max_pending``/``max_pending_bytes``: receipts held in memory for a disk
+    that does not answer (beyond them a receipt is dropped and counted).
     """
 
     max_bytes: int = 256 << 20
@@ -65,6 +74,11 @@ class ReceiptBudget:
     max_age_s: float = 14 * 86400.0
     refusals_per_s: float = 20.0
     refusal_burst: int = 200
+    #: how long a reply waits for its receipt to be on disk before it goes out without it
+    wait_s: float = 1.0
+    #: receipts held in memory while the disk does not answer; more are dropped (counted)
+    max_pending: int = 1024
+    max_pending_bytes: int = 32 << 20
 
 
 def bound_fields(value: Any, depth: int = 0) -> Any:
@@ -112,25 +126,62 @@ class _TokenBucket:
         return False
 
 
-class ReceiptWriter:
-    """Per-transfer JSON receipts, each published durably, within a :class:`ReceiptBudget`.
+class _Ticket:
+    """One receipt on its way to the disk (serialized, named, bounded)."""
 
-    :meth:`write` returns the receipt's path, or None when it was not written (over the
-    refusal rate, or the write failed: see :attr:`failures`); it never raises.
+    __slots__ = ("name", "data", "body", "done", "state", "waited")
+
+    def __init__(self, name: str, data: bytes, body: dict) -> None:
+        self.name, self.data, self.body = name, data, body
+        self.done = threading.Event()
+        self.state = "pending"
+        self.waited = True  # False once the caller gave up waiting (a late write)
+
+
+class ReceiptWriter:
+    """Per-transfer JSON receipts, each published durably, within a :class:`ReceiptBudget`,
+    written by the writer's own thread.
+
+    A receipt is an *audit* record; the replay ledger is the *safety* record. So a hung or
+    failing receipts disk must never hold a reply: :meth:`record` serializes the bounded
+    receipt on the caller's thread, queues it for the writer thread (at most
+    ``budget.max_pending`` receipts and ``budget.max_pending_bytes`` held in memory; beyond
+    that a receipt is dropped and counted) and waits at most ``budget.wait_s`` for it to be on
+    disk -- not at all while the writer is already stuck past that deadline. A receipt not
+    written in time is ``pending`` (written when the disk answers again: :attr:`late`), one that
+    failed is ``failed``; either way the caller goes on. :meth:`record` and :meth:`write`
+    never raise.
     """
 
-    def __init__(self, directory: str, budget: ReceiptBudget = ReceiptBudget(), *, refusal_log: Optional["RefusalLog"] = None) -> None:
+    def __init__(
+        self, directory: str, budget: ReceiptBudget = ReceiptBudget(), *, refusal_log: Optional["RefusalLog"] = None, ops: FileOps = REAL_OPS
+    ) -> None:
         self.directory = os.path.abspath(directory)
         ensure_dir(self.directory, mode=0o700)
         self.budget = budget
         self.refusal_log = refusal_log
+        self.ops = ops
         #: summaries of the latest receipts (status page), newest last
         self.recent: collections.deque[dict] = collections.deque(maxlen=RECENT_RECEIPTS)
         self.failures = 0
         self.written = 0
         self.rotated = 0
+        #: replies that went out before their receipt was on disk (``pending``)
+        self.deferred = 0
+        #: receipts written after their reply went out (the disk answered again)
+        self.late = 0
+        #: receipts dropped because the in-memory queue was full (or the writer closed)
+        self.dropped = 0
         self.last_error: Optional[str] = None
         self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._queue: collections.deque[_Ticket] = collections.deque()
+        self._held = 0  # receipts queued or being written (in memory)
+        self._held_bytes = 0
+        self._writer: Optional[threading.Thread] = None
+        self._closed = False
+        #: when the writer entered its current write (None: idle); the status page shows it
+        self.writing_since: Optional[float] = None
         self._bucket = _TokenBucket(budget.refusals_per_s, budget.refusal_burst, time.monotonic)
         self._last_error_log = 0.0
         self._last_age_check = 0.0
@@ -152,35 +203,128 @@ class ReceiptWriter:
             self._bytes += size
         self._rotate()
 
-    def write(self, receipt: dict) -> Optional[str]:
-        """Publish one receipt durably; then log it as one JSON line naming its receipt id."""
+    def write(self, receipt: dict, *, wait_s: Optional[float] = None) -> Optional[str]:
+        """:meth:`record`, returning the receipt's path once it is on disk, else None (over
+        the refusal rate, failed, dropped, or still pending after the wait)."""
+        out = self.record(receipt, wait_s=wait_s)
+        return out["receipt_path"] if out["receipt_state"] == "written" else None
+
+    def record(self, receipt: dict, *, wait_s: Optional[float] = None) -> dict[str, Any]:
+        """Queue one receipt and wait (at most ``wait_s``, default ``budget.wait_s``) for it
+        to be published durably. Returns ``{"receipt_path", "receipt_state"}``: the state is
+        ``written``, ``pending`` (queued or being written: the path it will have), ``failed``,
+        ``dropped`` (the queue was full) or ``counted`` (over the refusal rate: only counted in
+        the refusal log); the path is None unless written or pending."""
         try:
-            return self._write(receipt)
+            return self._record(receipt, self.budget.wait_s if wait_s is None else wait_s)
         except Exception as exc:  # noqa: BLE001 - a receipt must never take the node down
             self._failed(exc)
-            return None
+            return {"receipt_path": None, "receipt_state": "failed"}
 
-    def _write(self, receipt: dict) -> Optional[str]:
+    def _record(self, receipt: dict, wait_s: float) -> dict[str, Any]:
         body = bound_fields({"schema": RECEIPT_SCHEMA, **receipt})
         refused = body.get("verdict") != "committed"
         if refused and not self._bucket.take():
             if self.refusal_log is not None:
                 self.refusal_log.count(str(body.get("reason", "refused")), "receipt rate exceeded; counted only", str(body.get("detail", "")))
-            return None
+            return {"receipt_path": None, "receipt_state": "counted"}
         data = json.dumps(body, indent=2, sort_keys=True, default=str).encode() + b"\n"
         if len(data) > MAX_RECEIPT_BYTES:
             keep = {k: body.get(k) for k in ("schema", "role", "verdict", "reason", "detail", "phase", "request_id", "transfer_id", "payload_bytes")}
             data = json.dumps({**keep, "truncated": True}, indent=2, sort_keys=True, default=str).encode() + b"\n"
         name = f"{time.time_ns()}-{_name_part(body.get('role'), 'node')}-{_name_part(body.get('verdict'), 'x')}-{secrets.token_hex(3)}.json"
         path = os.path.join(self.directory, name)
-        atomic_write(path, data, mode=0o600)
+        ticket = _Ticket(name, data, body)
+        b = self.budget
         with self._lock:
-            self._files[name] = len(data)
-            self._bytes += len(data)
-            self.written += 1
-            self._rotate()
-        self._announce(body, name)
-        return path
+            full = self._held >= b.max_pending or self._held_bytes + len(data) > b.max_pending_bytes
+            if self._closed or full:
+                self.dropped += 1
+                why = "the receipt writer is closed" if self._closed else f"{self._held} receipts ({self._held_bytes} B) already wait for the disk"
+            else:
+                self._queue.append(ticket)
+                self._held += 1
+                self._held_bytes += len(data)
+                self._cond.notify()
+                if self._writer is None:
+                    self._writer = threading.Thread(target=self._write_loop, name="kvpack-receipts", daemon=True)
+                    self._writer.start()
+                why = ""
+            since = self.writing_since
+        if why:
+            self.last_error = f"receipt dropped: {why}"
+            self._complain(self.last_error)
+            return {"receipt_path": None, "receipt_state": "dropped"}
+        # a writer stuck past the deadline makes every reply wait it out: do not wait then
+        if since is not None and time.monotonic() - since >= wait_s:
+            wait_s = 0.0
+        if ticket.done.wait(max(0.0, wait_s)):
+            return {"receipt_path": path if ticket.state == "written" else None, "receipt_state": ticket.state}
+        with self._lock:
+            if not ticket.done.is_set():
+                ticket.waited = False
+                self.deferred += 1
+        if ticket.done.is_set():  # written just now
+            return {"receipt_path": path if ticket.state == "written" else None, "receipt_state": ticket.state}
+        self._complain(f"receipt {name} not on disk after {wait_s:g} s: replied without it (written when the disk answers)")
+        return {"receipt_path": path, "receipt_state": "pending"}
+
+    def _write_loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                if not self._queue:
+                    return
+                ticket = self._queue.popleft()
+                self.writing_since = time.monotonic()
+            state = "failed"
+            try:
+                atomic_write(os.path.join(self.directory, ticket.name), ticket.data, mode=0o600, ops=self.ops)
+                state = "written"
+            except Exception as exc:  # noqa: BLE001 - the writer never dies
+                self._failed(exc)
+            with self._lock:
+                self.writing_since = None
+                self._held -= 1
+                self._held_bytes -= len(ticket.data)
+                ticket.state = state
+                if state == "written":
+                    self._files[ticket.name] = len(ticket.data)
+                    self._bytes += len(ticket.data)
+                    self.written += 1
+                    if not ticket.waited:
+                        self.late += 1
+                    self._rotate()
+                ticket.done.set()
+                self._cond.notify_all()
+            if state == "written":
+                try:
+                    self._announce(ticket.body, ticket.name)
+                except Exception:  # noqa: BLE001 - a log handler must not stop the writer
+                    pass
+
+    def drain(self, timeout: float) -> bool:
+        """Wait at most ``timeout`` s until every queued receipt was written (or failed)."""
+        end = time.monotonic() + timeout
+        with self._lock:
+            while self._held:
+                left = end - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def close(self, timeout: float = 2.0) -> None:
+        """Write what is queued (waiting at most ``timeout``), then end the writer thread (at
+        once, or when a hung write returns); receipts recorded later are dropped (counted)."""
+        self.drain(timeout)
+        with self._lock:
+            self._closed = True
+            left = self._held
+            self._cond.notify_all()
+        if left:
+            self._complain(f"{left} receipts were still waiting for the disk at close and are lost")
 
     def _announce(self, body: dict, name: str) -> None:
         from ..logs import event
@@ -214,23 +358,50 @@ class ReceiptWriter:
     def _failed(self, exc: BaseException) -> None:
         self.failures += 1
         self.last_error = f"{type(exc).__name__}: {exc}"[:500]
+        self._complain(self.last_error)
+
+    def _complain(self, error: str) -> None:
         now = time.monotonic()
         if now - self._last_error_log >= 10.0:  # at most one line per 10 s, however many fail
             self._last_error_log = now
             from ..logs import event
 
-            event(log, "receipt_write_failed", level=logging.ERROR, error=self.last_error, failures=self.failures, directory=self.directory)
+            event(
+                log,
+                "receipt_write_failed",
+                level=logging.ERROR,
+                error=error[:500],
+                failures=self.failures,
+                deferred=self.deferred,
+                dropped=self.dropped,
+                pending=self._held,
+                directory=self.directory,
+            )
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
+            since = self.writing_since
             return {
                 "files": len(self._files),
                 "bytes": self._bytes,
                 "written": self.written,
                 "rotated": self.rotated,
                 "failures": self.failures,
+                "pending": self._held,
+                "pending_bytes": self._held_bytes,
+                "deferred": self.deferred,
+                "late": self.late,
+                "dropped": self.dropped,
+                "writer_stuck_s": None if since is None else round(time.monotonic() - since, 3),
                 "last_error": self.last_error,
-                "budget": {"max_bytes": self.budget.max_bytes, "max_files": self.budget.max_files, "max_age_s": self.budget.max_age_s},
+                "budget": {
+                    "max_bytes": self.budget.max_bytes,
+                    "max_files": self.budget.max_files,
+                    "max_age_s": self.budget.max_age_s,
+                    "wait_s": self.budget.wait_s,
+                    "max_pending": self.budget.max_pending,
+                    "max_pending_bytes": self.budget.max_pending_bytes,
+                },
             }
 
     def all(self) -> list[dict]:

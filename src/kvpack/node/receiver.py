@@ -212,6 +212,7 @@ class ReceiverNode:
         self.refusal_log = RefusalLog("receiver", os.path.join(os.path.abspath(receipts_dir), "refusals.log"))
         self.receipts = ReceiptWriter(receipts_dir, refusal_log=self.refusal_log)
         self.metrics = NodeMetrics("receiver")
+        self.metrics.watch_receipts(self.receipts)
         self.refusal_log.on_count = self.metrics.refusal
         self._metrics_port = metrics_port
         self._advertised_port = advertised_port
@@ -375,6 +376,7 @@ class ReceiverNode:
             if pool is not None:
                 pool.shutdown(wait=False, cancel_futures=True)
         self.metrics.close()
+        self.receipts.close(timeout=1.0)  # what is queued, if the disk answers; never longer
         for link in self.links:
             link.ledger.close()
 
@@ -473,7 +475,8 @@ class ReceiverNode:
             return
         out = run.run()
         if out.error is None:
-            out.info["receipt_path"] = self.receipts.write(out.info)
+            # bounded: a hung receipts disk makes the receipt pending, never the commit late
+            out.info.update(self.receipts.record(out.info))
             pending.stripe_committed(stripe[0], out.info)
             return
         pending.refused(out.info["reason"], out.info["detail"], authenticated=True)
@@ -557,7 +560,7 @@ class ReceiverNode:
         finally:
             lock.release()
         info["landing_s"] = round(time.perf_counter() - t0, 6)
-        info["receipt_path"] = self.receipts.write(info)
+        info.update(self.receipts.record(info))
 
     def _fits_resident(self, rows: int) -> bool:
         """Capturing rows for the resident tier copies them: skip what it would evict at once."""

@@ -205,6 +205,7 @@ def log_request(reply: dict[str, Any]) -> None:
             decoded_tokens=len(res.get("tokens") or []),
             request_id=transfer.get("request_id"),
             receipt=os.path.basename(path)[: -len(".json")] if isinstance(path, str) else None,
+            receipt_state=transfer.get("receipt_state"),
         )
     else:
         err = reply.get("error") or {}

@@ -14,7 +14,10 @@ creations and unlinks are reverted in reverse order), then :class:`SimulatedCras
 
 ``fail`` makes chosen steps raise ``OSError(EIO)`` instead (e.g. EIO on fsync); ``errno_``
 picks another error (``ENOSPC`` for a full disk); ``delays`` adds latency to an operation
-kind (e.g. a slow directory fsync for the volume probe).
+kind (e.g. a slow directory fsync for the volume probe). ``hang_ops`` makes chosen kinds
+*hang*: the calling thread blocks in that step (a stuck fsync, a disk that stopped
+answering) until :meth:`FaultyOps.release` -- :attr:`FaultyOps.hanging` is set once a
+thread is blocked there, so a test waits for the hang instead of sleeping.
 
 Reads and listings (``read``, ``list``, ``stat``) are not durability points and never count
 as steps, but they go through the same layer: ``fail_reads`` (a set of kinds, or a predicate
@@ -27,6 +30,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import threading
 import time
 from collections.abc import Callable, Container, Sequence
 
@@ -48,8 +52,13 @@ class FaultyOps(FileOps):
         errno_: int = errno.EIO,
         fail_reads: Container[str] | Callable[[str, str], bool] = (),
         corrupt_reads: Callable[[str, bytes], bytes] | None = None,
+        hang_ops: Container[str] = (),
     ) -> None:
         self.crash_at = crash_at
+        self.hang_ops = hang_ops
+        #: set while (and after) a thread is blocked in a hung step
+        self.hanging = threading.Event()
+        self._released = threading.Event()
         self.errno = errno_
         self._fail_reads = fail_reads
         self._corrupt_reads = corrupt_reads
@@ -66,6 +75,11 @@ class FaultyOps(FileOps):
         # non-durable directory operations, in order: (dir, op, args...)
         self._pending: list[tuple] = []
 
+    def release(self) -> None:
+        """The hung disk answers again: every thread blocked in a hung step returns (and
+        later steps of those kinds no longer hang)."""
+        self._released.set()
+
     # -- bookkeeping -------------------------------------------------------------------------
     def _step(self, name: str) -> None:
         if self.crashed:
@@ -78,6 +92,9 @@ class FaultyOps(FileOps):
         delay = self.delays.get(name)
         if delay:
             time.sleep(delay)
+        if name in self.hang_ops and not self._released.is_set():
+            self.hanging.set()
+            self._released.wait()  # the disk stopped answering: no timeout, like the syscall
         if name in self._fail_ops or (self._fail is not None and self._fail(self.steps, name)):
             raise OSError(self.errno, os.strerror(self.errno))
 

@@ -1,0 +1,106 @@
+"""Hung (not failing) disks under the node tier (issue 14: every wait has a deadline).
+
+A disk that stops answering -- an fsync that never returns -- is simulated with the fault
+layer's hang mode (``FaultyOps(hang_ops=...)``): the writing thread really blocks in that step
+until the test releases it.
+
+* receipts: a receipt is an audit record, the replay ledger the safety record. With the
+  receipts disk hung, a committed transfer still commits and both nodes still answer, each
+  receipt ``pending``; the ledger does not latch; the node keeps serving; at most
+  ``max_pending`` receipts are held in memory (the rest dropped and counted); once the disk
+  answers the pending receipts are written.
+* replay ledger: with its volume hung in a reservation's fsync, that reservation and every
+  later one are refused ``ledger_unavailable`` within the ledger's deadline (not blocked on its
+  lock), nothing is installed or acknowledged, and the node keeps serving other work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+
+from kvpack.durable import atomic_write
+from kvpack.node import receipts as receipts_mod
+from kvpack.node.receipts import ReceiptBudget, ReceiptWriter
+from kvpack.testing.faults import FaultyOps
+
+from .helpers import http_get, receipts
+from .test_nodes_arrays import PROMPT, Nodes, reference
+
+#: a hang guard, not a timing assert: the old code blocked for as long as the disk did
+GUARD_S = 60.0
+
+
+def _in_thread(fn):
+    box: dict = {}
+
+    def run():
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            box["error"] = exc
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, box
+
+
+def _files(d):
+    return sorted(n for n in os.listdir(d) if n.endswith(".json") and not n.startswith("."))
+
+
+def test_a_hung_receipts_disk_holds_at_most_the_budget_and_writes_it_when_it_answers(tmp_path):
+    hung = FaultyOps(hang_ops={"fsync"})
+    w = ReceiptWriter(str(tmp_path), ReceiptBudget(wait_s=0.05, max_pending=4), ops=hung)
+    first = w.record({"role": "receiver", "verdict": "committed", "n": 0})
+    assert hung.hanging.wait(GUARD_S)  # the writer thread is blocked in the receipt's fsync
+    assert first["receipt_state"] == "pending" and first["receipt_path"].startswith(str(tmp_path))
+    rest = [w.record({"role": "receiver", "verdict": "committed", "n": i}) for i in range(1, 11)]
+    states = [r["receipt_state"] for r in rest]
+    assert states == ["pending"] * 3 + ["dropped"] * 7, states  # 4 held in memory, no more
+    assert w.stats()["pending"] == 4 and w.dropped == 7 and w.deferred == 4
+    assert _files(tmp_path) == []  # nothing on disk yet
+    hung.release()  # the disk answers again
+    assert w.drain(GUARD_S)
+    names = _files(tmp_path)
+    assert names == sorted(os.path.basename(r["receipt_path"]) for r in [first, *rest[:3]])
+    assert w.late == 4 and w.written == 4 and w.stats()["pending"] == 0
+    assert w.write({"role": "receiver", "verdict": "committed"}) is not None  # waits again once healthy
+    w.close()
+
+
+def test_a_hung_receipts_disk_delays_no_commit_and_latches_nothing(tmp_path, monkeypatch):
+    n = Nodes(tmp_path / "n")
+    try:
+        for node in (n.receiver, n.producer):
+            node.receipts.budget = dataclasses.replace(node.receipts.budget, wait_s=0.2)
+        hung = FaultyOps(hang_ops={"fsync"})
+        # every receipt write of both nodes goes through the hung layer (the old writer too)
+        monkeypatch.setattr(receipts_mod, "atomic_write", lambda path, data, **kw: atomic_write(path, data, **{**kw, "ops": hung}))
+        t, box = _in_thread(lambda: n.receiver.generate(PROMPT, 8))
+        t.join(GUARD_S)
+        hung_for_the_guard = t.is_alive()
+        if hung_for_the_guard:
+            hung.release()
+            t.join(GUARD_S)
+        assert not hung_for_the_guard, "a hung receipts disk held the request"
+        assert "error" not in box, box.get("error")
+        res = box["value"]
+        assert hung.hanging.is_set()  # the receipts really were stuck
+        assert (res["tokens"], res["logits_sha256"]) == reference(n.engine, PROMPT)
+        assert res["transfer"]["receipt_state"] == "pending" and res["transfer"]["producer_receipt"]["prefill_tokens"] == len(PROMPT) - 1
+        assert n.receiver.ledger.degraded is None  # an audit record never latches the safety record
+        # the node keeps serving while the disk still hangs
+        t2, box2 = _in_thread(lambda: n.receiver.generate(PROMPT[:400] + [9, 9], 4))
+        t2.join(GUARD_S)
+        assert not t2.is_alive() and "value" in box2, box2
+        assert receipts(n.rdir) == [] and not [r for r in receipts(n.pdir) if r.get("verdict") == "committed"]
+        assert 'kvpack_receipts_deferred_total{role="receiver"} 2.0' in http_get(n.receiver.metrics.port)
+        hung.release()  # the disk answers: the pending receipts are written
+        assert n.receiver.receipts.drain(GUARD_S) and n.producer.receipts.drain(GUARD_S)
+        committed = [r for r in receipts(n.rdir) if r["verdict"] == "committed"]
+        assert len(committed) == 2 and n.receiver.receipts.late == 2
+        assert len([r for r in receipts(n.pdir) if r.get("verdict") == "committed"]) == 2
+    finally:
+        n.stop()
