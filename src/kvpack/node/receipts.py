@@ -153,9 +153,7 @@ class ReceiptWriter:
     never raise.
     """
 
-    def __init__(
-        self, directory: str, budget: ReceiptBudget = ReceiptBudget(), *, refusal_log: Optional["RefusalLog"] = None, ops: FileOps = REAL_OPS
-    ) -> None:
+    def __init__(self, directory: str, budget: ReceiptBudget = ReceiptBudget(), *, refusal_log: Optional["RefusalLog"] = None, ops: FileOps = REAL_OPS) -> None:
         self.directory = os.path.abspath(directory)
         ensure_dir(self.directory, mode=0o700)
         self.budget = budget
