@@ -15,8 +15,9 @@ from __future__ import annotations
 import errno
 import os
 import secrets
-from collections.abc import Iterable, Sequence
-from typing import Union
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from typing import Optional, Union
 
 from .errors import DurableIOError
 
@@ -226,3 +227,31 @@ def ensure_dir(path: str | os.PathLike[str], *, mode: int = 0o700, ops: FileOps 
         ops.fsync_dir(parent)
     except OSError as exc:
         raise DurableIOError("dirsync", f"{parent}: {exc.strerror}") from exc
+
+
+def call_with_deadline(fn: Callable[[], None], deadline_s: float, *, name: str = "kvpack-durable-io") -> Optional[threading.Thread]:
+    """Run ``fn`` (durable I/O) on a daemon thread and wait for it at most ``deadline_s``.
+
+    Returns None once it finished (re-raising what it raised, ``BaseException`` included),
+    or the thread still running when the deadline passed: a disk that stopped answering (an
+    fsync that never returns) holds that thread, never the caller. The caller decides what
+    an unfinished write means (the replay ledger latches degraded); a daemon thread never
+    holds the process's exit."""
+    box: list[BaseException] = []
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            box.append(exc)
+        finally:
+            done.set()
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    if not done.wait(max(0.0, deadline_s)):
+        return thread
+    if box:
+        raise box[0]
+    return None

@@ -17,12 +17,21 @@ until the test releases it.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import threading
+import time
+
+import pytest
 
 from kvpack.durable import atomic_write
+from kvpack.errors import KvpackError, ProtocolError
 from kvpack.node import receipts as receipts_mod
+from kvpack.node.ledger_gate import LedgerGate, LedgerGuard
 from kvpack.node.receipts import ReceiptBudget, ReceiptWriter
+from kvpack.node.receiver import ReceiverNode
+from kvpack.security.ledger import ReplayLedger
+from kvpack.security.probe import ProbeResult
 from kvpack.testing.faults import FaultyOps
 
 from .helpers import http_get, receipts
@@ -103,4 +112,112 @@ def test_a_hung_receipts_disk_delays_no_commit_and_latches_nothing(tmp_path, mon
         assert len(committed) == 2 and n.receiver.receipts.late == 2
         assert len([r for r in receipts(n.pdir) if r.get("verdict") == "committed"]) == 2
     finally:
+        n.stop()
+
+
+def _read(path):
+    with open(path, "rb") as fh:
+        return fh.read()
+
+
+def _probe_ok(path):
+    return ProbeResult(os.path.dirname(os.path.abspath(path)), (0.5,))
+
+
+def _join_all(threads, guard_s=GUARD_S):
+    end = time.monotonic() + guard_s
+    for t in threads:
+        t.join(max(0.0, end - time.monotonic()))
+    return [t for t in threads if t.is_alive()]
+
+
+def test_a_hung_ledger_write_refuses_it_and_every_later_reservation_within_the_deadline(tmp_path):
+    path = str(tmp_path / "ledger.json")
+    ops = FaultyOps()
+    ledger = ReplayLedger.open(path, ops=ops, strict=False, io_deadline_s=0.2)
+    guard = LedgerGuard(ledger, reprobe_interval_s=0.0, probe=_probe_ok)
+    LedgerGate(guard).reserve("k", 1, 1)
+    on_disk = (_read(path), _read(path + ".witness"))
+    ops.hang_ops = {"fsync"}  # the ledger volume stops answering
+    outcomes: dict[int, str] = {}
+
+    def reserve(generation):
+        try:
+            LedgerGate(guard).reserve("k", 1, generation)
+            outcomes[generation] = "reserved"
+        except KvpackError as exc:
+            outcomes[generation] = exc.category
+
+    first = threading.Thread(target=reserve, args=(2,), daemon=True)
+    first.start()
+    assert ops.hanging.wait(GUARD_S)  # a reservation is blocked in the ledger's fsync
+    later = [threading.Thread(target=reserve, args=(g,), daemon=True) for g in (3, 4, 5)]
+    for t in later:
+        t.start()
+    stuck = _join_all([first, *later])
+    if stuck:
+        ops.release()
+        _join_all(stuck)
+    assert not stuck, "a hung ledger write held reservations with no deadline"
+    assert outcomes == {2: "ledger_unavailable", 3: "ledger_unavailable", 4: "ledger_unavailable", 5: "ledger_unavailable"}
+    assert "did not return" in (ledger.degraded or "") and ledger.io_outstanding
+    # nothing reserved: in memory (read without the lock: a status page never waits) and on disk
+    assert ledger.snapshot() == {"k:1": 1} and (_read(path), _read(path + ".witness")) == on_disk
+    with pytest.raises(ProtocolError) as info:  # admissions refuse too, with the ledger's category
+        LedgerGate(guard).admit("k", 1, 6)
+    assert info.value.category == "ledger_unavailable"
+    assert "has not returned" in (guard.last_probe_error or "")  # no probe of a hung volume
+    ops.release()  # the disk answers: the hung write completes (watermark 2 reaches the disk)
+    assert ledger.wait_io(GUARD_S)
+    LedgerGate(guard).reserve("k", 1, 7)  # a fresh probe heals the latch; the re-read keeps 2
+    assert ledger.degraded is None and guard.recoveries == 1
+    assert json.loads(_read(path))["highest_generation"] == {"k:1": 7}
+    ledger.close()
+
+
+class _HungLedgerNodes(Nodes):
+    def __init__(self, tmp, ops):
+        self.hung_ops = ops
+        super().__init__(tmp)
+
+    def _receiver(self, advertised_port=None):
+        return ReceiverNode(
+            self.rcfg, self.engine, receipts_dir=self.rdir, check_volume=False, tls_fronts=0, ledger_ops=self.hung_ops, ledger_deadline_s=0.3
+        ).start()
+
+
+def test_a_hung_replay_ledger_volume_refuses_with_its_category_and_installs_nothing(tmp_path):
+    ops = FaultyOps()
+    n = _HungLedgerNodes(tmp_path / "n", ops)
+    try:
+        n.receiver.generate(PROMPT, 4)  # a live session and a watermark to keep intact
+        before, ledger_before = n.snapshot(), n.receiver.ledger.snapshot()
+        producer_committed = len([r for r in receipts(n.pdir) if r.get("verdict") == "committed"])
+        ops.hang_ops = {"fsync"}  # the ledger volume stops answering
+        for prompt in (list(range(2, 600)), list(range(3, 500))):
+            t, box = _in_thread(lambda p=prompt: n.receiver.generate(p, 4))
+            if _join_all([t]):
+                ops.release()
+                _join_all([t])
+                pytest.fail("a hung ledger volume held the request with no deadline")
+            err = box.get("error")
+            assert isinstance(err, ProtocolError) and err.category == "ledger_unavailable", box
+            assert n.snapshot() == before and n.receiver.ledger.snapshot() == ledger_before  # nothing installed or reserved
+        assert ops.hanging.is_set() and n.receiver.ledger.io_outstanding
+        # the node keeps serving other work: its status page reads the ledger without waiting
+        page = http_get(n.receiver.metrics.port, "/status.json")
+        assert " 200 " in page.splitlines()[0] and '"degraded"' in page
+        # nothing acknowledged: the producer committed nothing more
+        assert n.producer.receipts.drain(GUARD_S)
+        assert len([r for r in receipts(n.pdir) if r.get("verdict") == "committed"]) == producer_committed
+        refused = [r for r in receipts(n.rdir) if r["verdict"] == "refused"]
+        # the first at its reservation (hung), the second at its begin (the ledger latched)
+        assert [(r["reason"], r.get("phase")) for r in refused] == [("ledger_unavailable", "admitted"), ("ledger_unavailable", "begin")], refused
+        ops.release()  # the disk answers: a fresh probe heals the ledger, no restart
+        assert n.receiver.ledger.wait_io(GUARD_S)
+        res = n.receiver.generate(list(range(2, 600)), 4)
+        assert (res["tokens"], res["logits_sha256"]) == reference(n.engine, list(range(2, 600)), 4)
+        assert n.receiver.ledger.degraded is None
+    finally:
+        ops.release()
         n.stop()

@@ -58,11 +58,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
+from ..durable import REAL_OPS, FileOps
 from ..errors import EngineError, KvpackError, NetworkError, ProtocolError, SecurityError, UsageError
 from ..handoff.control import MAX_PROMPT_TOKENS, ControlRequestV1
 from ..handoff.delta import ReuseAction
 from ..security.config import ReceiverConfig
-from ..security.ledger import ReplayLedger
+from ..security.ledger import LEDGER_IO_DEADLINE_S, ReplayLedger
 from ..security.probe import PROBE_MAX_TAIL_MS, ProbeResult, check_ledger_volume
 from ..security.tls import DATA_ALPN, TlsEndpoint, client_context, server_context
 from ..vocab import is_token_aligned
@@ -201,6 +202,8 @@ class ReceiverNode:
         unsolicited_slots: int = 2,
         ledger_max_tail_ms: Optional[float] = None,
         tls_fronts: FrontsSetting = "auto",
+        ledger_deadline_s: float = LEDGER_IO_DEADLINE_S,
+        ledger_ops: FileOps = REAL_OPS,
     ) -> None:
         self.configs: list[ReceiverConfig] = [config] if isinstance(config, ReceiverConfig) else list(config)
         if not self.configs:
@@ -220,6 +223,9 @@ class ReceiverNode:
         self._check_volume = check_volume
         #: the ledger-volume gate (None: the probe's default, 100 ms)
         self._ledger_max_tail_ms = ledger_max_tail_ms
+        #: how long an admission waits for a replay ledger (its lock, a reservation's writes)
+        self.ledger_deadline_s = ledger_deadline_s
+        self._ledger_ops = ledger_ops
         self.socket_path = socket_path
         self.resident = ResidentRadix(resident_bytes)
         self.decode_slot_count = max(1, decode_slots)
@@ -293,7 +299,9 @@ class ReceiverNode:
             gate = PROBE_MAX_TAIL_MS if self._ledger_max_tail_ms is None else self._ledger_max_tail_ms
             probe = check_ledger_volume(cfg.replay_ledger, max_tail_ms=gate)  # refuses a slow volume (C.9)
         # concurrent requests and stripes of one producer reserve out of generation order
-        ledger = ReplayLedger.open(cfg.replay_ledger, minimum_epoch=cfg.minimum_hmac_epoch, strict=False)
+        ledger = ReplayLedger.open(
+            cfg.replay_ledger, minimum_epoch=cfg.minimum_hmac_epoch, strict=False, io_deadline_s=self.ledger_deadline_s, ops=self._ledger_ops
+        )
         try:
             control = None
             if cfg.producer_control is not None:

@@ -36,6 +36,14 @@ Rules:
   reserved at most once, ever; only the order of reservation is relaxed, never replay
   protection. The window is opt-in (``ReplayLedger.open(..., strict=False)``, what the decode
   node does); the default keeps upstream's rule;
+* deadlines: no wait for the ledger is unbounded. An admission or reservation waits for the
+  lock at most ``io_deadline_s`` (:data:`LEDGER_IO_DEADLINE_S`), and a reservation's durable
+  writes run on a helper thread it waits for at most as long; past that it is refused
+  ``ledger_unavailable`` and nothing is reserved in memory. A write that did not return
+  latches the ledger degraded (its outcome is unknown: the file may later hold the new
+  watermark) and the latch cannot clear while that write is still outstanding; once it
+  returns, the usual fresh probe clears it and the re-read keeps whatever the write left on
+  disk. Reads for the status page (:meth:`ReplayLedger.snapshot`) take no lock;
 * concurrency: one lock serialises admissions within the process; an exclusive ``flock`` on a
   sibling lock file refuses a second process (or a second open) on the same ledger, since two
   writers would each believe their own watermark;
@@ -69,7 +77,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
-from ..durable import REAL_OPS, FileOps, atomic_write, ensure_dir, sync_dir
+from ..durable import REAL_OPS, FileOps, atomic_write, call_with_deadline, ensure_dir, sync_dir
 from ..errors import DurableIOError, SecurityError
 from ..vocab import FileLock, LockHeld, StrictJsonError, strict_json_loads
 from .ledger_witness import decode_witness, encode_witness, merge, rollback_refusal, witness_path
@@ -87,6 +95,10 @@ U64_MAX = (1 << 64) - 1
 REORDER_WINDOW = 4096
 #: Bound on the ledger file: one key_id:epoch entry is < 200 bytes; this allows ~80k of them.
 LEDGER_MAX_BYTES = 16 << 20
+#: How long an admission waits for the ledger (its lock, a reservation's durable writes) before
+#: it is refused ``ledger_unavailable``: a hung ledger volume (an fsync that never returns)
+#: costs requests this long, never a thread or the node (see "Deadlines" in the docstring).
+LEDGER_IO_DEADLINE_S = 5.0
 
 
 # -- pure rules ---------------------------------------------------------------------------------
@@ -206,8 +218,12 @@ class ReplayLedger:
         highest: dict[str, int],
         witness: Optional[dict[str, int]] = None,
         strict: bool = True,
+        io_deadline_s: float = LEDGER_IO_DEADLINE_S,
     ) -> None:
         self.path = path
+        self.io_deadline_s = io_deadline_s
+        #: a ledger write that did not return within the deadline (it latched the ledger)
+        self._stuck: Optional[threading.Thread] = None
         self.minimum_epoch = minimum_epoch
         self._ops = ops
         self._lock = lock
@@ -230,6 +246,7 @@ class ReplayLedger:
         minimum_epoch: int = 1,
         ops: FileOps = REAL_OPS,
         strict: bool = True,
+        io_deadline_s: float = LEDGER_IO_DEADLINE_S,
     ) -> "ReplayLedger":
         """Lock, load (or create empty) the ledger at ``path``; refuse a rolled-back one.
         ``strict`` (the default): upstream's rule; False opens the reordering window (the
@@ -249,7 +266,7 @@ class ReplayLedger:
         except BaseException:
             lock.release()
             raise
-        return cls(target, minimum_epoch=minimum_epoch, ops=ops, lock=lock, highest=highest, witness=witness, strict=strict)
+        return cls(target, minimum_epoch=minimum_epoch, ops=ops, lock=lock, highest=highest, witness=witness, strict=strict, io_deadline_s=io_deadline_s)
 
     # -- queries -------------------------------------------------------------------------------
     @property
@@ -257,17 +274,52 @@ class ReplayLedger:
         """The reason the ledger latched degraded, or None while healthy."""
         return self._degraded
 
+    # The maps are replaced, never changed in place, so reading one takes no lock: a status
+    # page never waits behind a reservation stuck on a hung volume.
     def watermark(self, key_id: str, epoch: int) -> int | None:
-        with self._mutex:
-            return self._highest.get(ledger_key(key_id, epoch))
+        return self._highest.get(ledger_key(key_id, epoch))
 
     def snapshot(self) -> dict[str, int]:
-        with self._mutex:
-            return dict(self._highest)
+        return dict(self._highest)
 
     def witness_snapshot(self) -> dict[str, int]:
-        with self._mutex:
-            return dict(self._witness)
+        return dict(self._witness)
+
+    @property
+    def io_outstanding(self) -> bool:
+        """True while a ledger write that outlived its deadline has not returned."""
+        stuck = self._stuck
+        return stuck is not None and stuck.is_alive()
+
+    def wait_io(self, timeout: float) -> bool:
+        """Wait at most ``timeout`` for an outstanding (stuck) write to return."""
+        stuck = self._stuck
+        if stuck is not None:
+            stuck.join(timeout)
+        return not self.io_outstanding
+
+    def _locked(self, what: str) -> None:
+        """Take the mutex within the deadline, or refuse ``ledger_unavailable``."""
+        if not self._mutex.acquire(timeout=max(0.0, self.io_deadline_s)):
+            raise SecurityError(
+                "ledger_unavailable",
+                f"replay ledger {self.path!r} busy for {self.io_deadline_s:g} s ({what}): a reservation's write has not returned (hung ledger volume?)",
+            )
+
+    def _durable(self, fn: Any, what: str) -> None:
+        """Run the ledger's durable writes within the deadline (mutex held). A write that
+        does not return latches the ledger and raises ``ledger_unavailable``."""
+        if self.io_outstanding:
+            raise SecurityError("ledger_unavailable", f"an earlier write to replay ledger {self.path!r} has not returned (hung ledger volume)")
+        stuck = call_with_deadline(fn, self.io_deadline_s, name="kvpack-ledger-io")
+        if stuck is not None:
+            self._stuck = stuck
+            self._degraded = f"{what} did not return within {self.io_deadline_s:g} s (hung ledger volume)"
+            log.error("replay ledger %s: %s; latched degraded", self.path, self._degraded)
+            raise SecurityError(
+                "ledger_unavailable",
+                f"replay ledger {self.path!r}: {self._degraded}; the ledger is latched degraded until the write returns and a fresh volume probe passes",
+            )
 
     # -- admission and reservation --------------------------------------------------------------
     def _refuse_if_inadmissible(self, key_id: str, epoch: int, generation: int) -> None:
@@ -289,8 +341,11 @@ class ReplayLedger:
         """Refuse (typed SecurityError) unless this generation may still be reserved."""
         self._ensure_open()
         _check_admission_args(key_id, epoch, generation)
-        with self._mutex:
+        self._locked("admission")
+        try:
             self._refuse_if_inadmissible(key_id, epoch, generation)
+        finally:
+            self._mutex.release()
 
     def reserve(self, key_id: str, epoch: int, generation: int) -> None:
         """Admit again and durably record ``generation`` as the new watermark.
@@ -298,36 +353,57 @@ class ReplayLedger:
         Returns only once the watermark is on disk (file and directory fsynced) and the witness
         records it (its rename made durable by the next directory fsync). Any failure latches the
         ledger degraded and raises ``SecurityError('ledger_unavailable')``: the caller must not publish or
-        acknowledge the transfer.
+        acknowledge the transfer. Bounded: the lock within ``io_deadline_s``, the writes within
+        ``io_deadline_s`` (a write that does not return latches, see "Deadlines").
         """
         self._ensure_open()
         _check_admission_args(key_id, epoch, generation)
-        with self._mutex:
-            self._refuse_if_inadmissible(key_id, epoch, generation)
-            key = ledger_key(key_id, epoch)
-            watermark = self._highest.get(key)
-            if watermark is not None and generation <= watermark:
-                # inside the reordering window: the durable watermark already covers it
-                self._remember(key, generation, watermark)
-                return
-            proposed = dict(self._highest)
-            proposed[key] = generation
-            witness = merge(self._witness, proposed)
+        self._locked("reservation")
+        try:
+            self._reserve_locked(key_id, epoch, generation)
+        finally:
+            self._mutex.release()
+
+    def _reserve_locked(self, key_id: str, epoch: int, generation: int) -> None:
+        self._refuse_if_inadmissible(key_id, epoch, generation)
+        key = ledger_key(key_id, epoch)
+        watermark = self._highest.get(key)
+        if watermark is not None and generation <= watermark:
+            # inside the reordering window: the durable watermark already covers it
+            self._remember(key, generation, watermark)
+            return
+        proposed = dict(self._highest)
+        proposed[key] = generation
+        witness = merge(self._witness, proposed)
+        steps: list[str] = []
+
+        def write() -> None:
+            atomic_write(self.path, encode_ledger(proposed), ops=self._ops)
+            steps.append("ledger")
+            # After the ledger, never before: the witness must not exceed the durable ledger.
+            atomic_write(witness_path(self.path), encode_witness(os.path.basename(self.path), witness), ops=self._ops, sync_dir=False)
+            steps.append("witness")
+
+        try:
             try:
-                atomic_write(self.path, encode_ledger(proposed), ops=self._ops)
-                self._highest = proposed
-                # After the ledger, never before: the witness must not exceed the durable ledger.
-                atomic_write(witness_path(self.path), encode_witness(os.path.basename(self.path), witness), ops=self._ops, sync_dir=False)
-                self._witness = witness
-                self._remember(key, generation, generation)
-            except Exception as exc:  # noqa: BLE001 - any failure to be durable latches
-                self._degraded = f"{type(exc).__name__}: {exc}"
-                raise SecurityError(
-                    "ledger_unavailable",
-                    f"durable reservation of generation {generation} for "
-                    f"{ledger_key(key_id, epoch)} failed ({exc}); the ledger is latched "
-                    "degraded until restart or a fresh volume probe (clear_degraded)",
-                ) from exc
+                self._durable(write, f"the reservation of generation {generation} for {key}")
+            finally:
+                # what reached the disk moves the in-memory state (never what did not)
+                if "ledger" in steps:
+                    self._highest = proposed
+                if "witness" in steps:
+                    self._witness = witness
+            self._remember(key, generation, generation)
+        except SecurityError:
+            raise  # a hung write: latched by _durable
+        except Exception as exc:  # noqa: BLE001 - any failure to be durable latches
+            self._degraded = f"{type(exc).__name__}: {exc}"
+            raise SecurityError(
+                "ledger_unavailable",
+                f"durable reservation of generation {generation} for "
+                f"{ledger_key(key_id, epoch)} failed ({exc}); the ledger is latched "
+                "degraded until restart or a fresh volume probe (clear_degraded)",
+            ) from exc
 
     def _remember(self, key: str, generation: int, watermark: int) -> None:
         """Record a reservation for the reordering window; forget what fell out of it."""
@@ -350,21 +426,31 @@ class ReplayLedger:
         directory = os.path.dirname(self.path)
         if probe.directory != directory or not probe.samples_ms or probe.max_ms > max_tail_ms:
             raise SecurityError("volume", f"clear_degraded needs a passing probe of {directory!r} (got {probe.directory!r}, worst {probe.max_ms:.1f} ms)")
-        with self._mutex:
-            if self._degraded is None:
-                return
-            on_disk = read_ledger_file(self.path)
-            refusal = rollback_refusal(on_disk, self._highest, minimum_epoch=1, ledger_path=self.path)
-            if refusal is not None:
-                raise refusal
-            highest = merge(self._highest, on_disk or {})
-            witness = merge(self._witness, highest)
-            try:
-                atomic_write(witness_path(self.path), encode_witness(os.path.basename(self.path), witness), ops=self._ops)
-            except DurableIOError as exc:
-                raise SecurityError("ledger_unavailable", f"the ledger volume still fails ({exc}); the ledger stays degraded") from exc
-            log.warning("replay ledger %s: degraded latch cleared after a passing volume probe (was: %s)", self.path, self._degraded)
-            self._highest, self._witness, self._degraded = highest, witness, None
+        self._locked("clearing the degraded latch")
+        try:
+            self._clear_locked()
+        finally:
+            self._mutex.release()
+
+    def _clear_locked(self) -> None:
+        if self._degraded is None:
+            return
+        if self.io_outstanding:
+            raise SecurityError("ledger_unavailable", f"a write to replay ledger {self.path!r} has still not returned; the ledger stays degraded")
+        on_disk = read_ledger_file(self.path)
+        refusal = rollback_refusal(on_disk, self._highest, minimum_epoch=1, ledger_path=self.path)
+        if refusal is not None:
+            raise refusal
+        highest = merge(self._highest, on_disk or {})
+        witness = merge(self._witness, highest)
+        try:
+            self._durable(
+                lambda: atomic_write(witness_path(self.path), encode_witness(os.path.basename(self.path), witness), ops=self._ops), "the witness rewrite"
+            )
+        except DurableIOError as exc:
+            raise SecurityError("ledger_unavailable", f"the ledger volume still fails ({exc}); the ledger stays degraded") from exc
+        log.warning("replay ledger %s: degraded latch cleared after a passing volume probe (was: %s)", self.path, self._degraded)
+        self._highest, self._witness, self._degraded = highest, witness, None
 
     # -- lifetime --------------------------------------------------------------------------------
     def _ensure_open(self) -> None:
@@ -374,7 +460,8 @@ class ReplayLedger:
     def close(self) -> None:
         if self._lock.held:
             try:
-                sync_dir(os.path.dirname(self.path), ops=self._ops)  # the last witness rename
+                if not self.io_outstanding:  # the last witness rename; a hung volume costs the deadline
+                    call_with_deadline(lambda: sync_dir(os.path.dirname(self.path), ops=self._ops), self.io_deadline_s, name="kvpack-ledger-io")
             except DurableIOError:
                 pass  # it trails by one reservation at worst (a lower bound stays a lower bound)
             finally:
