@@ -28,6 +28,7 @@ from kvpack.durable import atomic_write
 from kvpack.errors import KvpackError, ProtocolError
 from kvpack.node import receipts as receipts_mod
 from kvpack.node.ledger_gate import LedgerGate, LedgerGuard
+from kvpack.node.producer import ProducerNode
 from kvpack.node.receipts import ReceiptBudget, ReceiptWriter
 from kvpack.node.receiver import ReceiverNode
 from kvpack.security.ledger import ReplayLedger
@@ -218,6 +219,45 @@ def test_a_hung_replay_ledger_volume_refuses_with_its_category_and_installs_noth
         res = n.receiver.generate(list(range(2, 600)), 4)
         assert (res["tokens"], res["logits_sha256"]) == reference(n.engine, list(range(2, 600)), 4)
         assert n.receiver.ledger.degraded is None
+    finally:
+        ops.release()
+        n.stop()
+
+
+class _HungGenerationNodes(Nodes):
+    def __init__(self, tmp, ops):
+        self.hung_ops = ops
+        super().__init__(tmp)
+
+    def _producer(self):
+        return ProducerNode(self.pcfg, self.producer_engine, receipts_dir=self.pdir, prefill_slots=2, ledger_ops=self.hung_ops, ledger_deadline_s=0.3).start()
+
+
+def test_a_hung_generation_ledger_fails_each_job_within_its_deadline_and_frees_its_slot(tmp_path):
+    ops = FaultyOps()
+    n = _HungGenerationNodes(tmp_path / "n", ops)
+    try:
+        n.receiver.generate(PROMPT, 4)
+        before, ledger_before = n.snapshot(), n.receiver.ledger.snapshot()
+        with open(n.pcfg.generation_ledger, "rb") as fh:
+            on_disk = fh.read()
+        ops.hang_ops = {"fsync"}  # the producer's ledger volume stops answering
+        for i in range(4):  # more requests than prefill slots: none is left holding one
+            t, box = _in_thread(lambda i=i: n.receiver.generate(list(range(2 + i, 500)), 4))
+            if _join_all([t]):
+                ops.release()
+                _join_all([t])
+                pytest.fail("a hung generation ledger held the job with no deadline")
+            err = box.get("error")
+            assert isinstance(err, KvpackError) and "ledger_unavailable" in str(err), box
+            assert n.snapshot() == before and n.receiver.ledger.snapshot() == ledger_before  # nothing installed or reserved
+        with open(n.pcfg.generation_ledger, "rb") as fh:
+            assert fh.read() == on_disk  # the hung write never landed
+        ops.release()  # the disk answers: the next job takes fresh generations and commits
+        _join_all([t for t in threading.enumerate() if t.name == "kvpack-generation-io"])
+        res = n.receiver.generate(list(range(2, 500)), 4)
+        assert (res["tokens"], res["logits_sha256"]) == reference(n.engine, list(range(2, 500)), 4)
+        assert res["transfer"]["generation"] == max(ledger_before.values()) + 2  # the hung write's generation is skipped, never used
     finally:
         ops.release()
         n.stop()

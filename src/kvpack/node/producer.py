@@ -52,7 +52,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from ..durable import atomic_write, ensure_dir
+from ..durable import REAL_OPS, FileOps, atomic_write, call_with_deadline, ensure_dir
 from ..errors import KvpackError, ProtocolError, SecurityError
 from ..handoff import canonical_json as cj
 from ..handoff.hashing import INLINE
@@ -86,6 +86,8 @@ STRIPE_CONNECT_S = 10.0
 ABORT_GRACE_S = 1.0
 #: the longest a request waits for an earlier job's prefix to enter the resident tier
 REMEMBER_WAIT_S = 10.0
+#: how long a job waits for the generation ledger (its lock, its durable write)
+GENERATION_DEADLINE_S = 5.0
 
 
 class GenerationLedger:
@@ -93,10 +95,19 @@ class GenerationLedger:
 
     :meth:`take` persists ``N + 1`` (temp file, fsync, rename, directory fsync) and only then
     returns ``N``. An exclusive ``flock`` keeps a second producer process off the same file.
+
+    Bounded (issue 14): a job waits for the lock and for the write at most ``deadline_s``,
+    then is refused ``ledger_unavailable``. A write that did not return (a hung volume) leaves
+    its generations unused but skipped in memory (never handed out: their durability is
+    unknown), and every later take is refused at once until that write returned -- two
+    writes in flight could land out of order and move the file backwards.
     """
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, *, ops: FileOps = REAL_OPS, deadline_s: float = GENERATION_DEADLINE_S) -> None:
         self.path = os.path.abspath(path)
+        self.ops = ops
+        self.deadline_s = deadline_s
+        self._stuck: Optional[threading.Thread] = None
         ensure_dir(os.path.dirname(self.path), mode=0o700)
         self._lock = FileLock(self.path + ".lock")
         try:
@@ -133,18 +144,30 @@ class GenerationLedger:
 
     def _persist(self, n: int) -> None:
         body = json.dumps({"next_generation": n}, sort_keys=True).encode() + b"\n"
-        atomic_write(self.path, body, mode=0o600)
+        atomic_write(self.path, body, mode=0o600, ops=self.ops)
 
     def take(self) -> int:
         return self.take_many(1)[0]
 
     def take_many(self, n: int) -> list[int]:
         """``n`` consecutive generations, made durable in one write before any is used."""
-        with self._mutex:
+        if not self._mutex.acquire(timeout=max(0.0, self.deadline_s)):
+            raise SecurityError(
+                "ledger_unavailable", f"generation ledger {self.path!r} busy for {self.deadline_s:g} s: a write has not returned (hung volume?)"
+            )
+        try:
+            if self._stuck is not None and self._stuck.is_alive():
+                raise SecurityError("ledger_unavailable", f"an earlier write of generation ledger {self.path!r} has not returned (hung volume)")
             gen = self.next
-            self._persist(gen + n)
+            stuck = call_with_deadline(lambda: self._persist(gen + n), self.deadline_s, name="kvpack-generation-io")
+            if stuck is not None:
+                self._stuck = stuck
+                self.next = gen + n  # skipped, never handed out: the write may still land
+                raise SecurityError("ledger_unavailable", f"generation ledger {self.path!r}: a write did not return within {self.deadline_s:g} s (hung volume)")
             self.next = gen + n
             return list(range(gen, gen + n))
+        finally:
+            self._mutex.release()
 
     def close(self) -> None:
         self._lock.release()
@@ -192,8 +215,13 @@ class ProducerNode:
         stripe_connect_s: float = STRIPE_CONNECT_S,
         slot_wait_s: float = 10.0,
         request_read_s: float = 30.0,
+        ledger_deadline_s: float = GENERATION_DEADLINE_S,
+        ledger_ops: FileOps = REAL_OPS,
     ) -> None:
         self.config = config
+        #: how long a job waits for the generation ledger before it is answered failed
+        self.ledger_deadline_s = ledger_deadline_s
+        self._ledger_ops = ledger_ops
         # False behaves like the upstream prefill daemon, whose request V1 denies unknown
         # fields: a request with a kvpack extension key is answered "failed" before "accepted"
         self.extensions: tuple[str, ...] = EXTENSIONS if accept_prefix_cut_extension else ()
@@ -237,7 +265,7 @@ class ProducerNode:
         if self._bound:
             return self
         cfg = self.config
-        self.ledger = GenerationLedger(cfg.generation_ledger)
+        self.ledger = GenerationLedger(cfg.generation_ledger, ops=self._ledger_ops, deadline_s=self.ledger_deadline_s)
         self._keys = {r.name: load_hmac_key(r.hmac_key_file) for r in cfg.receivers}
         self._by_pin = {pin: r for r in cfg.receivers for pin in r.leaf_sha256}
         self._ctl_ep = cfg.control_endpoint()
