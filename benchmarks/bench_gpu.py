@@ -531,7 +531,7 @@ def main(argv=None) -> int:
     ap.add_argument("--host-verify-max-tokens", type=int, default=8192, help="also time the host-verify restore up to this length")
     ap.add_argument("--cpu-ceiling", action="store_true", help="also time both hashes on the CPU cores (the first rounds' ceiling)")
     ap.add_argument("--chunk-bytes", type=int, default=None, help="store chunk size (default: the store's default)")
-    ap.add_argument("--prefill-attention", default="auto", choices=["auto", "lower_right", "split_kv", "sdpa"])
+    ap.add_argument("--prefill-attention", default="auto", choices=["auto", "lower_right", "sdpa"])
     ap.add_argument(
         "--prefill-forward",
         default="auto",

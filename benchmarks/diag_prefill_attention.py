@@ -18,15 +18,18 @@ head size 128, f16) and a chunk of 256 queries over prefixes of several lengths:
 * the seven projections of a layer at 256 rows against 4,096 rows (per 256 rows).
 
 Each line gives the median ms per layer call over ``--iters`` CUDA-event timed calls, the
-per-prefill estimate (x layers x chunks at that depth), and for the split variants whether
+chunk's attention over all layers, and for the split variants whether
 the output is bit-identical to ``lower_right`` and its largest absolute difference, and
 whether two calls agree bit for bit (determinism).
 
-``--e2e 32768,131072`` then prefills the bench_gpu model with the graphs forward under each
-``--e2e-modes`` ``prefill_attention`` (default ``lower_right,split_kv``, alternated), and
-prints prefill seconds, the ratio to one forward and a repeatability check.
+Measured on the H200 (docs/engine.md, "Split-KV, measured and dropped";
+``docs/bench/h200_round6_20261202_prefill_attention_micro.jsonl``): splitting is slower than
+the one lower-right call at every prefix measured (4k to 128k): the extra calls and the merge
+cost more than the pieces gain. What a chunk loses against one forward: its projections run
+at ~0.4 of their 4,096-row rate with 256 rows, and its attention costs ~2.5x its share of one
+forward's.
 
-    python3 benchmarks/diag_prefill_attention.py --prefixes 4096,16384,65536,130816 --e2e 32768,131072
+    python3 benchmarks/diag_prefill_attention.py --prefixes 4096,16384,32512,65536,130816 --splits 0,2,4,8,16,32
 """
 
 from __future__ import annotations
@@ -34,10 +37,9 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from functools import partial
 
-from bench_gpu import _emit, add_model_arguments, build_model
+from bench_gpu import _emit, add_model_arguments
 
 
 def _median_ms(torch, fn, iters: int) -> float:
@@ -163,82 +165,17 @@ def micro(args, torch) -> None:
     _emit(line, args.out)
 
 
-def e2e(args, torch) -> None:
-    """The graphs prefill with ``prefill_attention`` ``lower_right`` and ``split_kv`` (the
-    adapter's own), alternated, against one forward over the same prompt."""
-    from kvpack.engine.transformers_adapter import TransformersEngine
-
-    args.device = "cuda"
-    loaded = build_model(args, torch)
-    engines = {
-        mode: TransformersEngine(
-            loaded, device="cuda", prefill_chunk_tokens=256, max_context=max(args.e2e) + 256, prefill_attention=mode, prefill_forward="graphs"
-        )
-        for mode in args.e2e_modes
-    }
-    for engine in engines.values():
-        warm = engine.new_session()
-        warm.prefill([3 + i % (args.vocab - 3) for i in range(1024)])
-        del warm
-    for n in args.e2e:
-        tokens = [3 + (i * 7919) % (args.vocab - 3) for i in range(n)]
-        x = torch.tensor([tokens], dtype=torch.long, device="cuda")
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            out = next(iter(engines.values())).model(input_ids=x, use_cache=False, logits_to_keep=1)
-        torch.cuda.synchronize()
-        one_s = time.perf_counter() - t0
-        one_logits = out.logits[0, -1].float()
-        del out
-        line = {"bench": "diag_prefill_attention", "summary": "e2e", "tokens": n, "one_forward_s": round(one_s, 4)}
-        best: dict[str, float] = {}
-        first: dict[str, tuple] = {}
-        repeatable = dict.fromkeys(engines, True)
-        for _ in range(args.e2e_repeats):
-            for mode, engine in engines.items():  # alternated: a noisy machine's load falls on both
-                s = engine.new_session()
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                s.prefill(tokens)
-                torch.cuda.synchronize()
-                dt = time.perf_counter() - t0
-                best[mode] = min(best.get(mode, dt), dt)
-                # the last layer's newest rows and the logits row: a cheap repeatability check
-                mark = (s.cache.layers[-1].keys[:, :, n - 4096 : n].clone(), s.last_logits.clone())
-                if mode not in first:
-                    first[mode] = mark
-                else:
-                    repeatable[mode] = repeatable[mode] and torch.equal(first[mode][0], mark[0]) and torch.equal(first[mode][1], mark[1])
-                del s
-        for mode in engines:
-            line[f"{mode}_s"] = round(best[mode], 4)
-            line[f"{mode}_over_one_forward"] = round(best[mode] / one_s, 3)
-            line[f"{mode}_repeatable"] = bool(repeatable[mode])
-            line[f"{mode}_logits_max_abs_diff_vs_one_forward"] = float((first[mode][1] - one_logits).abs().max())
-        if "lower_right" in best and "split_kv" in best:
-            line["lower_right_over_split_kv"] = round(best["lower_right"] / best["split_kv"], 3)
-        _emit(line, args.out)
-        first.clear()
-        torch.cuda.empty_cache()
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--prefixes", default="4096,16384,65536,130816")
     ap.add_argument("--splits", default="0,2,4,8,16")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--one-forward-max", type=int, default=32768 + 256, help="largest kv for the one-forward comparison")
-    ap.add_argument("--e2e", default="", help="prompt lengths for the end-to-end prefill (empty: skip)")
-    ap.add_argument("--e2e-modes", default="lower_right,split_kv", help="prefill_attention values to prefill with")
-    ap.add_argument("--e2e-repeats", type=int, default=2)
     add_model_arguments(ap)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     args.prefixes = [int(x) for x in args.prefixes.split(",") if x]
     args.splits = [int(x) for x in args.splits.split(",") if x]
-    args.e2e = [int(x) for x in args.e2e.split(",") if x]
-    args.e2e_modes = [x for x in args.e2e_modes.split(",") if x]
 
     import torch
 
@@ -246,8 +183,6 @@ def main(argv: list[str] | None = None) -> int:
         print("diag_prefill_attention needs CUDA", file=sys.stderr)
         return 2
     micro(args, torch)
-    if args.e2e:
-        e2e(args, torch)
     return 0
 
 

@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", default="32768")
     ap.add_argument("--chunks", default="256,1024,2048,4096")
     ap.add_argument("--forwards", default="auto", help="comma list of prefill_forward values (auto, lean, graphs, model)")
-    ap.add_argument("--prefill-attention", default="auto", choices=["auto", "lower_right", "split_kv", "sdpa"])
+    ap.add_argument("--prefill-attention", default="auto", choices=["auto", "lower_right", "sdpa"])
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--repeats", type=int, default=1, help="prefills per (forward, chunk); the fastest is reported")
     add_model_arguments(ap)

@@ -62,17 +62,6 @@ def unsupported_reason(model: Any) -> str | None:
     return None
 
 
-def split_unsupported_reason(device_type: str, dtype: Any) -> str | None:
-    """``None`` if ``split_kv`` runs on this device and dtype: the flash kernel on CUDA takes
-    f16/bf16 only (f32 has no kernel that returns the log-sum-exp with grouped heads); the
-    CPU's flash kernel takes all three."""
-    import torch
-
-    if device_type == "cuda" and dtype not in (torch.float16, torch.bfloat16):
-        return f"{dtype} on CUDA: the flash kernel takes float16 or bfloat16"
-    return None
-
-
 def lower_right_attention(
     module: Any, query: Any, key: Any, value: Any, attention_mask: Any, dropout: float = 0.0, scaling: float | None = None, **kwargs: Any
 ):
@@ -96,111 +85,11 @@ def lower_right_bias(q_len: int, kv_len: int) -> Any:
     return causal_lower_right(q_len, kv_len)
 
 
-#: ``prefill_attention`` value of the split-KV variant (see :class:`SplitKV`).
-SPLIT_KV = "split_kv"
-#: Split-KV policy: the prefix is cut into ``prefix // SPLIT_PIECE_ROWS`` pieces (at most
-#: ``SPLIT_MAX_PIECES``, 256-aligned); a prefix shorter than two pieces is not split. Part of
-#: the engine identity (:data:`SPLIT_ABI`): another policy computes other bits.
-SPLIT_PIECE_ROWS = 4096
-SPLIT_MAX_PIECES = 16
-SPLIT_ABI = (
-    "kvpack split-KV lower-right causal attention over preallocated cache rows: prefix cut into "
-    f"min(prefix // {SPLIT_PIECE_ROWS}, {SPLIT_MAX_PIECES}) equal 256-aligned pieces (one batched call) + "
-    "the remainder + the chunk's causal square, merged by float32 log-sum-exp weights in piece order"
-)
-
-
-class SplitKV:
-    """How a chunk's attention is cut under ``prefill_attention="split_kv"``: ``pieces``
-    equal pieces of ``piece`` prefix rows (one batched kernel call), the rest of the prefix
-    (``remainder`` rows, a second call) and the chunk's own ``q_len`` rows (the causal
-    square, a third), merged by their log-sum-exps. A chunk's 256 queries give the flash
-    kernel 2 query blocks x heads of work however long the prefix; the pieces multiply that
-    by ``pieces`` (docs/engine.md). A pure function of ``(q_len, kv_len)``, so a restored
-    session and a live one cut every chunk the same way."""
-
-    __slots__ = ("kv_len", "piece", "pieces", "prefix", "q_len", "remainder")
-
-    def __init__(self, q_len: int, kv_len: int) -> None:
-        self.q_len, self.kv_len = q_len, kv_len
-        self.prefix = kv_len - q_len
-        self.pieces = min(self.prefix // SPLIT_PIECE_ROWS, SPLIT_MAX_PIECES)
-        self.piece = (self.prefix // self.pieces) // 256 * 256 if self.pieces else 0
-        self.remainder = self.prefix - self.pieces * self.piece
-
-    @staticmethod
-    def applies(q_len: int, kv_len: int) -> bool:
-        """Whether a chunk of ``q_len`` queries over ``kv_len`` keys is split (else it runs
-        as :func:`lower_right_bias` says)."""
-        return q_len > 1 and kv_len - q_len >= 2 * SPLIT_PIECE_ROWS
-
-
-def chunk_attention(mode: str, q_len: int, kv_len: int) -> Any:
-    """The mask argument :func:`attend` takes for a chunk under ``prefill_attention`` ``mode``
-    (``lower_right`` or ``split_kv``): a :class:`SplitKV` where the split applies, else
-    :func:`lower_right_bias`. Made once per chunk (the same for every layer)."""
-    if mode == SPLIT_KV and SplitKV.applies(q_len, kv_len):
-        return SplitKV(q_len, kv_len)
-    return lower_right_bias(q_len, kv_len)
-
-
-def _partial(query: Any, key: Any, value: Any, scaling: float | None, causal: bool) -> tuple[Any, Any]:
-    """Attention of (B, q, heads, d) queries over (B, kv, kv_heads, d) keys/values, causal
-    only for a square (q == kv); returns (output (B, q, heads, d), log-sum-exp (B, heads, q)
-    float32). CUDA f16/bf16: the flash kernel (grouped heads natively); elsewhere torch's CPU
-    flash kernel over expanded heads."""
-    import torch
-
-    if query.device.type == "cuda":
-        got = torch.ops.aten._flash_attention_forward(query, key, value, None, None, query.shape[1], key.shape[1], 0.0, causal, False, scale=scaling)
-        return got[0], got[1]
-    groups = query.shape[2] // key.shape[2]
-    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
-    if groups > 1:
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scaling)
-    return out.transpose(1, 2), lse
-
-
-def _split_attend(query: Any, key: Any, value: Any, scaling: float | None, plan: SplitKV) -> Any:
-    """:class:`SplitKV`'s attention: (1, heads, q, d) queries over (1, kv_heads, kv, d) keys;
-    returns (1, q, heads, d)."""
-    import torch
-
-    q = query.transpose(1, 2)  # (1, q, heads, d): the projection's own layout
-    k, v = key.transpose(1, 2), value.transpose(1, 2)  # views of the (1, kv_heads, rows, d) buffer
-    outs, lses = [], []
-    if plan.pieces:
-        n, rows = plan.pieces, plan.piece
-        # the pieces as a batch: a strided view of the cache rows, no copy
-        kb = k.as_strided((n, rows, k.shape[2], k.shape[3]), (rows * k.stride(1), k.stride(1), k.stride(2), k.stride(3)))
-        vb = v.as_strided((n, rows, v.shape[2], v.shape[3]), (rows * v.stride(1), v.stride(1), v.stride(2), v.stride(3)))
-        out, lse = _partial(q.expand(n, *q.shape[1:]).contiguous(), kb, vb, scaling, False)
-        outs.append(out)
-        lses.append(lse)
-    done = plan.pieces * plan.piece
-    if plan.remainder:
-        out, lse = _partial(q, k[:, done : plan.prefix], v[:, done : plan.prefix], scaling, False)
-        outs.append(out)
-        lses.append(lse)
-    out, lse = _partial(q, k[:, plan.prefix :], v[:, plan.prefix :], scaling, True)
-    outs.append(out)
-    lses.append(lse)
-    # merge: softmax over the pieces' log-sum-exps, in float32, in piece order
-    lse_all = torch.cat(lses, dim=0)  # (P, heads, q)
-    weights = torch.softmax(lse_all, dim=0).transpose(1, 2).unsqueeze(-1)  # (P, q, heads, 1)
-    merged = (torch.cat(outs, dim=0).float() * weights).sum(dim=0, keepdim=True)
-    return merged.to(query.dtype)
-
-
 def _attend(query: Any, key: Any, value: Any, scaling: float | None, bias: Any) -> Any:
     """The attention of :func:`attend`, returned as the kernel's output transposed to
     (1, q, heads, d) (not yet contiguous)."""
     import torch
     import torch.nn.functional as F
-
-    if type(bias) is SplitKV:
-        return _split_attend(query, key, value, scaling, bias)
 
     groups = query.shape[1] // key.shape[1]
     native_gqa = query.device.type == "cuda" and query.dtype in (torch.float16, torch.bfloat16)
@@ -317,18 +206,11 @@ def preallocated_layer_class() -> type:
 __all__ = [
     "ATTENTION",
     "GROW_ROWS",
-    "SPLIT_ABI",
-    "SPLIT_KV",
-    "SPLIT_MAX_PIECES",
-    "SPLIT_PIECE_ROWS",
-    "SplitKV",
-    "chunk_attention",
     "attend",
     "attend_into",
     "lower_right_attention",
     "lower_right_bias",
     "preallocated_layer_class",
     "register",
-    "split_unsupported_reason",
     "unsupported_reason",
 ]

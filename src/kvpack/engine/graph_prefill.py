@@ -53,13 +53,7 @@ def unsupported_reason(model: Any) -> str | None:
 def same_plan(a: Plan, b: Plan) -> bool:
     """Whether two plans read the very same tensors (graphs captured for ``a`` are valid
     for ``b``: they bind the tensors' memory, not their values)."""
-    if (
-        a.model is not b.model
-        or a.attention != b.attention
-        or len(a.layers) != len(b.layers)
-        or a.norm.weight is not b.norm.weight
-        or a.lm_head[0] is not b.lm_head[0]
-    ):
+    if a.model is not b.model or len(a.layers) != len(b.layers) or a.norm.weight is not b.norm.weight or a.lm_head[0] is not b.lm_head[0]:
         return False
     for x, y in zip(a.layers, b.layers):
         for field in ("q", "k", "v", "o", "gate", "up", "down"):
@@ -172,7 +166,7 @@ class SegmentedChunk:
         import torch
 
         from ..errors import EngineError
-        from .fast_prefill import attend_into, chunk_attention
+        from .fast_prefill import attend_into, lower_right_bias
 
         n = self.n
         if input_ids.shape != (1, n):
@@ -183,7 +177,7 @@ class SegmentedChunk:
         self.ids.copy_(input_ids)
         self.positions.copy_((torch.arange(n, device=input_ids.device) + past).unsqueeze(0))
         kv_len = past + n
-        bias = chunk_attention(self.plan.attention, n, kv_len)
+        bias = lower_right_bias(n, kv_len)
         outputs = self._run(0)
         for index, (layer, cache_layer) in enumerate(zip(self.plan.layers, cache_layers)):
             query, key, value = outputs[-3:]

@@ -65,7 +65,7 @@ def unsupported_reason(model: Any, prefill_attention: str) -> str | None:
     be kernelized (hub kernels replace module forwards)."""
     import torch
 
-    if prefill_attention not in ("lower_right", "split_kv"):
+    if prefill_attention != "lower_right":
         return f"prefill_attention {prefill_attention}: the lean forward runs kvpack's lower-right attention only"
     cls = _llama_classes()
     if not _exactly(model, cls["causal_lm"]):
@@ -156,9 +156,6 @@ class Plan(NamedTuple):
     layers: tuple[_Layer, ...]
     norm: _Norm
     lm_head: tuple[Any, Any]
-    #: the engine's ``prefill_attention`` (``lower_right`` or ``split_kv``,
-    #: kvpack.engine.fast_prefill.chunk_attention)
-    attention: str = "lower_right"
 
 
 def _linear(module: Any) -> tuple[Any, Any]:
@@ -169,10 +166,9 @@ def _norm(module: Any) -> _Norm:
     return _Norm(module.weight, module.variance_epsilon)
 
 
-def plan(model: Any, attention: str = "lower_right") -> Plan:
+def plan(model: Any) -> Plan:
     """The model's tensors and constants for :func:`forward_chunk` (gathered per prefill, so
-    a model whose parameters are replaced between prefills is read afresh); ``attention`` is
-    the engine's ``prefill_attention``."""
+    a model whose parameters are replaced between prefills is read afresh)."""
     base = model.model
     layers = []
     for decoder in base.layers:
@@ -193,7 +189,7 @@ def plan(model: Any, attention: str = "lower_right") -> Plan:
                 scaling=attn.scaling,
             )
         )
-    return Plan(model, base.embed_tokens.forward, base.rotary_emb.forward, tuple(layers), _norm(base.norm), _linear(model.lm_head), attention)
+    return Plan(model, base.embed_tokens.forward, base.rotary_emb.forward, tuple(layers), _norm(base.norm), _linear(model.lm_head))
 
 
 def forward_chunk(plan: Plan, cache_layers: list[Any], input_ids: Any, past: int) -> Any:
@@ -287,13 +283,13 @@ def check_rows(cache_layers: list[Any], past: int) -> None:
 def _forward_chunk(plan: Plan, cache_layers: list[Any], input_ids: Any, past: int) -> Any:
     import torch
 
-    from .fast_prefill import attend, chunk_attention
+    from .fast_prefill import attend, lower_right_bias
 
     check_rows(cache_layers, past)
     position_ids = (torch.arange(input_ids.shape[1], device=input_ids.device) + past).unsqueeze(0)
     hidden, cos, sin = embed_and_rotary(plan, input_ids, position_ids)
     q_len = hidden.shape[1]
-    bias = chunk_attention(plan.attention, q_len, past + q_len)  # the same for every layer
+    bias = lower_right_bias(q_len, past + q_len)  # lower_right_attention's bias: the same for every layer
     for layer, cache_layer in zip(plan.layers, cache_layers):
         query, key, value = pre_attention(layer, hidden, cos, sin)
         key, value = cache_layer.update(key, value)

@@ -55,8 +55,6 @@ REUSE_BLOCK_TOKENS = TOKEN_ALIGN  # reusable cuts are multiples of kvpack's one 
 
 #: Environment override of ``prefill_forward="auto"``: ``lean``, ``graphs`` or ``model``.
 PREFILL_FORWARD_ENV = "KVPACK_PREFILL_FORWARD"
-#: ``prefill_attention="auto"`` takes this variable's value when set (an A/B switch).
-PREFILL_ATTENTION_ENV = "KVPACK_PREFILL_ATTENTION"
 
 _TORCH_TO_WIRE = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}
 
@@ -143,20 +141,14 @@ class TransformersEngine:
     def _choose_prefill_attention(self, wanted: str) -> str:
         from . import fast_prefill
 
-        if wanted not in ("auto", "lower_right", fast_prefill.SPLIT_KV, "sdpa"):
-            raise EngineError("unsupported", f"prefill_attention {wanted!r}: auto, lower_right, split_kv or sdpa")
-        if wanted == "auto":
-            wanted = os.environ.get(PREFILL_ATTENTION_ENV, "") or "auto"
-            if wanted not in ("auto", "lower_right", fast_prefill.SPLIT_KV, "sdpa"):
-                raise EngineError("unsupported", f"${PREFILL_ATTENTION_ENV}={wanted!r}: lower_right, split_kv or sdpa")
+        if wanted not in ("auto", "lower_right", "sdpa"):
+            raise EngineError("unsupported", f"prefill_attention {wanted!r}: auto, lower_right or sdpa")
         reason = fast_prefill.unsupported_reason(self.model)
         if wanted == "auto":
             wanted = "lower_right" if self.device.type == "cuda" and reason is None else "sdpa"
-        if wanted == fast_prefill.SPLIT_KV and reason is None:
-            reason = fast_prefill.split_unsupported_reason(self.device.type, self.model.dtype)
-        if wanted in ("lower_right", fast_prefill.SPLIT_KV):
+        if wanted == "lower_right":
             if reason is not None:
-                raise EngineError("unsupported", f"prefill_attention {wanted}: {reason}")
+                raise EngineError("unsupported", f"prefill_attention lower_right: {reason}")
             fast_prefill.register()
             self.config._attn_implementation = fast_prefill.ATTENTION
         return wanted
@@ -174,8 +166,6 @@ class TransformersEngine:
 
         reason = lean_prefill.unsupported_reason(self.model, self.prefill_attention)
         if wanted == "auto":
-            if reason is not None and self.prefill_attention == "split_kv":
-                raise EngineError("unsupported", f"prefill_attention split_kv needs the lean forward: {reason}")
             if reason is not None:
                 return "model"
             # On CUDA the graphs replay the lean forward's own kernels (bit-identical: the
@@ -184,9 +174,6 @@ class TransformersEngine:
             return "graphs" if self.device.type == "cuda" and graph_reason(self.model) is None else "lean"
         if wanted == "graphs" and reason is None:
             reason = graph_reason(self.model)
-        if wanted == "model" and self.prefill_attention == "split_kv":
-            # the model's forward runs the registered lower-right attention, unsplit
-            raise EngineError("unsupported", "prefill_forward model: prefill_attention split_kv runs in the lean or graphs forward only")
         if wanted != "model" and reason is not None:
             raise EngineError("unsupported", f"prefill_forward {wanted}: {reason}")
         return wanted
@@ -211,7 +198,7 @@ class TransformersEngine:
         """The cache a session computes into: ``new_cache()``, with preallocated layers
         when ``prefill_attention`` is ``lower_right`` (kvpack.engine.fast_prefill)."""
         cache = self.new_cache()
-        if self.prefill_attention in ("lower_right", "split_kv"):
+        if self.prefill_attention == "lower_right":
             from .fast_prefill import preallocated_layer_class
 
             layer = preallocated_layer_class()
@@ -317,10 +304,6 @@ class TransformersEngine:
         }
         if self.prefill_attention == "lower_right":  # absent otherwise: identities made before it stay valid
             abi["prefill"] = "kvpack lower-right causal attention over preallocated cache rows"
-        elif self.prefill_attention == "split_kv":
-            from .fast_prefill import SPLIT_ABI
-
-            abi["prefill"] = SPLIT_ABI
         if self.prefill_forward == "lean":  # absent otherwise, like "prefill"
             from .lean_prefill import ABI_RECORD
 
@@ -461,7 +444,7 @@ class EngineSession:
         reason = hooks_reason(self.engine.model)
         if reason is not None:
             raise EngineError("unsupported", f"prefill_forward lean: {reason}; build the engine with prefill_forward='model'")
-        return plan(self.engine.model, self.engine.prefill_attention)
+        return plan(self.engine.model)
 
     def prefill(
         self,
