@@ -15,7 +15,8 @@ head size 128, f16) and a chunk of 256 queries over prefixes of several lengths:
   ``lower_right`` dispatches to);
 * ``one_forward_per_chunk``: a causal flash forward over the whole ``prefix + 256`` rows
   divided by its 256-row chunks: what the same attention costs inside one forward;
-* the seven projections of a layer at 256 rows against 4,096 rows (per 256 rows).
+* the seven projections of a layer at 256, 512, 1,024 and 4,096 rows (per 256 rows), as
+  seven GEMMs and as four (q/k/v and gate/up fused over concatenated weights).
 
 Each line gives the median ms per layer call over ``--iters`` CUDA-event timed calls, the
 chunk's attention over all layers, and for the split variants whether
@@ -155,13 +156,23 @@ def micro(args, torch) -> None:
     shapes = {"q": (h * d, hid), "k": (hkv * d, hid), "v": (hkv * d, hid), "o": (hid, h * d), "gate": (inter, hid), "up": (inter, hid), "down": (hid, inter)}
     weights = {n: torch.randn(*s, device=dev, dtype=torch.float16, generator=gen) * 0.01 for n, s in shapes.items()}
     line = {"bench": "diag_prefill_attention", "summary": "projections"}
-    for rows in (256, 4096):
-        total = 0.0
-        for w in weights.values():
-            x = torch.randn(rows, w.shape[1], device=dev, dtype=torch.float16, generator=gen)
-            total += _median_ms(torch, partial(torch.nn.functional.linear, x, w), args.iters)
-        line[f"rows_{rows}_ms_per_256_rows"] = round(total * 256 / rows, 4)
+    # the same FLOPs with q/k/v and gate/up each as one GEMM over concatenated weights (what a
+    # fused forward would run; other bits, so another identity)
+    fused = {
+        "qkv": torch.cat([weights["q"], weights["k"], weights["v"]]),
+        "o": weights["o"],
+        "gate_up": torch.cat([weights["gate"], weights["up"]]),
+        "down": weights["down"],
+    }
+    for rows in (256, 512, 1024, 4096):
+        for name, group in (("", weights), ("fused_", fused)):
+            total = 0.0
+            for w in group.values():
+                x = torch.randn(rows, w.shape[1], device=dev, dtype=torch.float16, generator=gen)
+                total += _median_ms(torch, partial(torch.nn.functional.linear, x, w), args.iters)
+            line[f"{name}rows_{rows}_ms_per_256_rows"] = round(total * 256 / rows, 4)
     line["layer_256_over_4096"] = round(line["rows_256_ms_per_256_rows"] / line["rows_4096_ms_per_256_rows"], 3)
+    line["fused_256_over_256"] = round(line["fused_rows_256_ms_per_256_rows"] / line["rows_256_ms_per_256_rows"], 3)
     _emit(line, args.out)
 
 
