@@ -33,6 +33,7 @@ from kvpack.node.receipts import ReceiptBudget, ReceiptWriter
 from kvpack.node.receiver import ReceiverNode
 from kvpack.security.ledger import ReplayLedger
 from kvpack.security.probe import ProbeResult
+from kvpack.store import PackStore
 from kvpack.testing.faults import FaultyOps
 
 from .helpers import http_get, receipts
@@ -258,6 +259,44 @@ def test_a_hung_generation_ledger_fails_each_job_within_its_deadline_and_frees_i
         res = n.receiver.generate(list(range(2, 500)), 4)
         assert (res["tokens"], res["logits_sha256"]) == reference(n.engine, list(range(2, 500)), 4)
         assert res["transfer"]["generation"] == max(ledger_before.values()) + 2  # the hung write's generation is skipped, never used
+    finally:
+        ops.release()
+        n.stop()
+
+
+class _HungStoreNodes(Nodes):
+    def __init__(self, tmp, ops):
+        self.hung_ops = ops
+        super().__init__(tmp)
+
+    def _producer(self):
+        path = os.path.join(self.tmp, "pstore")
+        PackStore.init(path)
+        return ProducerNode(self.pcfg, self.producer_engine, receipts_dir=self.pdir, store=PackStore.open(path, ops=self.hung_ops)).start()
+
+
+def test_a_hung_producer_store_holds_no_control_connection_per_job(tmp_path):
+    """The producer saves a committed job's checkpoints to its store after the answer went
+    out. With the store's disk hung, those saves never return: they must hold one thread, not
+    the job's control connection (each one counts against the receiver's 64 per-peer slots)."""
+    ops = FaultyOps(hang_ops={"fsync"})
+    n = _HungStoreNodes(tmp_path / "n", ops)
+    try:
+        prompts = [PROMPT, list(range(3, 700)), list(range(4, 700))]
+        for prompt in prompts:
+            t, box = _in_thread(lambda p=prompt: n.receiver.generate(p, 4))
+            if _join_all([t]):
+                ops.release()
+                _join_all([t])
+                pytest.fail("a hung producer store held the request")
+            assert "value" in box, box
+            assert (box["value"]["tokens"], box["value"]["logits_sha256"]) == reference(n.engine, prompt, 4)
+        assert ops.hanging.is_set()  # a checkpoint save really is stuck in the store's fsync
+        listener = n.producer.listener
+        end = time.monotonic() + GUARD_S
+        while listener.counts.authenticated and time.monotonic() < end:
+            time.sleep(0.05)  # the receiver closed each control connection after its answer
+        assert listener.counts.authenticated == 0, "control connections held by stuck store saves"
     finally:
         ops.release()
         n.stop()

@@ -86,6 +86,8 @@ STRIPE_CONNECT_S = 10.0
 ABORT_GRACE_S = 1.0
 #: the longest a request waits for an earlier job's prefix to enter the resident tier
 REMEMBER_WAIT_S = 10.0
+#: committed jobs that may wait for the remember thread (resident copy, store saves)
+REMEMBER_QUEUE = 8
 #: how long a job waits for the generation ledger (its lock, its durable write)
 GENERATION_DEADLINE_S = 5.0
 
@@ -249,6 +251,12 @@ class ProducerNode:
         #: jobs whose prefix is being remembered (resident copy, store saves) after their reply
         self._remembering = 0
         self._remembered = threading.Condition()
+        self._remember_q: "queue.Queue[tuple[dict, Any]]" = queue.Queue(maxsize=REMEMBER_QUEUE)
+        self._remember_thread: Optional[threading.Thread] = None
+        #: when the remember thread started its current job (None: idle)
+        self._remember_since: Optional[float] = None
+        #: committed jobs whose prefix was not remembered (the queue was full)
+        self.remember_skipped = 0
         self.prefill_slots = max(1, prefill_slots)
         self.ledger: Optional[GenerationLedger] = None
         self.listener: Optional[Listener] = None
@@ -370,12 +378,41 @@ class ProducerNode:
             if "receipt_path" not in receipt:
                 receipt.update(self.receipts.record({k: v for k, v in receipt.items() if not k.startswith("_")}))
             if job is not None:
-                try:
-                    self._remember(receipt, job)  # off the critical path: the reply went out
-                finally:
-                    with self._remembered:
-                        self._remembering -= 1
-                        self._remembered.notify_all()
+                self._queue_remember(receipt, job)  # off the critical path: the reply went out
+
+    def _queue_remember(self, receipt: dict, job: "_Job") -> None:
+        """Hand a committed job's prefix to the remember thread (resident copy, store saves)
+        so that its control connection ends now: a slow or hung store disk then holds that one
+        thread, never a connection slot per job (64 stuck saves used to lock the receiver
+        out, ``limit``). At most ``REMEMBER_QUEUE`` jobs wait; beyond that one is not
+        remembered (counted: ``remember_skipped``)."""
+        with self._remembered:
+            if self._remember_thread is None:
+                self._remember_thread = threading.Thread(target=self._remember_loop, name="kvpack-producer-remember", daemon=True)
+                self._remember_thread.start()
+        try:
+            self._remember_q.put_nowait((receipt, job))
+        except queue.Full:
+            self.remember_skipped += 1
+            log.warning("prefix of request %s not remembered: %d jobs already wait for the store", receipt.get("request_id"), REMEMBER_QUEUE)
+            self._remember_done()
+
+    def _remember_loop(self) -> None:
+        while True:
+            receipt, job = self._remember_q.get()
+            self._remember_since = time.monotonic()
+            try:
+                self._remember(receipt, job)
+            except Exception:  # noqa: BLE001 - the remember thread never dies
+                log.exception("remembering request %s failed", receipt.get("request_id"))
+            finally:
+                self._remember_since = None
+                self._remember_done()
+
+    def _remember_done(self) -> None:
+        with self._remembered:
+            self._remembering -= 1
+            self._remembered.notify_all()
 
     def _read_request(self, ctl, frames: list) -> tuple[str, Any]:
         """``(id to echo, raw request)``: at most ``MAX_REQUEST_BYTES`` within the read
@@ -482,6 +519,9 @@ class ProducerNode:
         waits for it (bounded): recomputing a prefix costs more than the copy in flight (a
         client that sends its next turn at once would otherwise miss its own prefix)."""
         end = time.monotonic() + wait_s
+        since = self._remember_since
+        if since is not None:  # a remember stuck past the wait (a hung store) costs no more waits
+            end = min(end, since + wait_s)
         with self._remembered:
             while self._remembering > 0:
                 left = end - time.monotonic()
