@@ -13,6 +13,7 @@ import sys
 
 import pytest
 
+from kvpack.generate import generate
 from kvpack.errors import DurableIOError, StoreError
 from kvpack.store import PackStore
 from kvpack.testing.faults import FaultyOps
@@ -171,15 +172,26 @@ def test_enospc_during_save_refuses_with_one_clear_error_and_keeps_the_store(tmp
 
 
 def test_eio_on_read_is_one_io_refusal_not_a_quarantine(tmp_path):
+    """EIO restoring the cut found: restore refuses (``io``); the lookup every consumer uses
+    is a miss that reports the entry as unreadable (before, it raised ``io`` and generate
+    failed instead of recomputing); nothing quarantined, nothing installed."""
     eng = engine()
     store = PackStore.init(str(tmp_path / "s"), chunk_bytes=4096)
     session_with(eng, TOKENS[:512], store)
     failing = PackStore.open(store.path, ops=FaultyOps(fail_reads=lambda kind, path: kind == "read" and "/chunks/" in path))
+    hit = failing.find_deepest(TOKENS[:512], eng.layout, eng.ids())
     live = eng.new_session()
     with pytest.raises(StoreError) as info:
-        failing.lookup_restore(TOKENS[:512], live)
+        failing.restore(hit, live, TOKENS[:512])
     assert info.value.category == "io" and "Input/output error" in info.value.message
+    found = failing.lookup_restore(TOKENS[:512], live)
+    assert found.hit is None and found.report is None and not found.quarantined
+    assert [u.node_id for u in found.unreadable] == [hit.node_id] and "Input/output error" in found.unreadable[0].error.message
     assert live.position == 0 and not names(store, "quarantine/")  # a failing disk is not corruption
+    eng.tokenizer = None  # kvpack.generate decodes no text for the NumPy adapter
+    expected = generate(eng, None, TOKENS[:512], max_new_tokens=3).tokens
+    result = generate(eng, failing, TOKENS[:512], max_new_tokens=3, save=False)
+    assert result.tokens == expected and result.reused_tokens == 0 and len(result.unreadable) == 1
     assert store.verify(read_data=True)["ok"]
 
 

@@ -31,10 +31,14 @@ Semantics every backend guarantees (the store's crash and concurrency arguments 
 from __future__ import annotations
 
 import abc
+import math
+import os
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Union
+
+from ..errors import StoreError
 
 Buffer = Union[bytes, bytearray, memoryview]
 #: what a read hands back (a view of the caller's region, or bytes)
@@ -164,6 +168,15 @@ class StorageEnv(abc.ABC):
         before the caller recomputes, not minutes. Default: this environment."""
         return self
 
+    def with_deadline(self, deadline: float) -> "StorageEnv":
+        """This environment with every request bounded by ``deadline`` (``time.monotonic()``
+        seconds): what a restore and a save read and write through, so a storage server that
+        hangs costs them their deadline, not minutes per request (S3: per-request timeouts
+        derived from what is left; past it a request refuses with ``io`` at once). Default:
+        this environment (a POSIX read or write blocked in the kernel cannot be abandoned;
+        the store checks the deadline between its steps instead)."""
+        return self
+
     def check_lease(self) -> AbstractContextManager[None]:
         """What a read-only check (``verify``) holds while it reads: never a write to the
         store, so a check works with read-only credentials or on a read-only mount. Default
@@ -208,3 +221,18 @@ class StorageEnv(abc.ABC):
     def close(self) -> None:
         """Release connections (the env is unusable afterwards)."""
         return None
+
+
+def seconds_setting(name: str, default: float) -> float:
+    """A positive finite number of seconds from the environment variable ``name``, else
+    ``default``; anything else refuses (``usage``) rather than meaning no deadline."""
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise StoreError("usage", f"{name}={raw!r} is not a positive number of seconds")
+    return value

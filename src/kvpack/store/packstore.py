@@ -24,6 +24,7 @@ file or bucket except through its environment.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import os
 import time
@@ -44,7 +45,7 @@ from ..format.identity import PrefixChain, auxiliary_root, prefix_context
 from ..format.keys import KeySchedule
 from ..format.objects import ChunkRef, Family, Manifest, Span, StateKey
 from ..format.pack import ManifestCache, decode_pack
-from .env import RESTORE, ObjectMissing, StorageEnv
+from .env import RESTORE, ObjectMissing, StorageEnv, seconds_setting
 from .mapping import LOGITS_NAME, family_for, logits_family, semantic_id, tenant_id
 
 STORE_FORMAT = "kvpack-store"
@@ -58,6 +59,12 @@ DEFAULT_CHUNK_BYTES = 2 << 20
 #: the most bytes an index entry is read for (64 hex digits and a newline are 65): a longer
 #: object under index/ is malformed, and a lookup never reads more of it
 MAX_INDEX_ENTRY_BYTES = 128
+#: a restore's whole deadline, seconds (``KVPACK_RESTORE_DEADLINE_S``; PackStore.restore_deadline_s):
+#: on S3 every request of the restore -- its lease, packs, chunks, logits -- ends by then,
+#: and a restore that has not finished refuses with ``io`` (the caller recomputes)
+DEFAULT_RESTORE_DEADLINE_S = 120.0
+#: a save's whole deadline, seconds (``KVPACK_SAVE_DEADLINE_S``; PackStore.save_deadline_s)
+DEFAULT_SAVE_DEADLINE_S = 600.0
 #: unreadable index entries in a row after which a lookup takes the storage for down and
 #: stops (a miss): one bad entry still lets the shallower ones serve (find_deepest)
 UNREADABLE_RUN = 3
@@ -274,6 +281,10 @@ class PackStore:
         #: threads a save writes chunk objects on (None: ``2 * workers``, see
         #: :func:`kvpack.store.publish.save_threads`); benchmarks compare counts with it
         self.save_writers: int | None = None
+        #: whole-operation deadlines (seconds) of a restore and a save: see
+        #: DEFAULT_RESTORE_DEADLINE_S and :meth:`StorageEnv.with_deadline`
+        self.restore_deadline_s = seconds_setting("KVPACK_RESTORE_DEADLINE_S", DEFAULT_RESTORE_DEADLINE_S)
+        self.save_deadline_s = seconds_setting("KVPACK_SAVE_DEADLINE_S", DEFAULT_SAVE_DEADLINE_S)
 
     @property
     def ops(self) -> FileOps:
@@ -294,6 +305,17 @@ class PackStore:
 
     def close(self) -> None:
         self.env.close()
+
+    def _bounded(self, seconds: float) -> "PackStore":
+        """A view of this store whose environment bounds every request by a deadline
+        ``seconds`` from now (:meth:`StorageEnv.with_deadline`); this store where the
+        environment cannot (POSIX)."""
+        env = self.env.with_deadline(time.monotonic() + seconds)
+        if env is self.env:
+            return self
+        view = copy.copy(self)
+        view.env = env
+        return view
 
     # -- names (POSIX paths kept for tools and tests that damage files on purpose) -----------
     def _p(self, *parts: str) -> str:
@@ -479,7 +501,7 @@ class PackStore:
         (see :func:`kvpack.store.publish.save`)."""
         from .publish import save
 
-        return save(self, session, **kw)
+        return save(self._bounded(self.save_deadline_s), session, **kw)
 
     # -- restore ---------------------------------------------------------------------------
     def load_chain(self, manifest_id: bytes) -> list[Manifest]:
@@ -547,8 +569,11 @@ class PackStore:
             raise StoreError("usage", f"{len(tokens)} tokens for a cut of {hit.cut}")
         if self._chain(ctx, tokens[: hit.cut]).token_root != hit.node_id:
             raise StoreError("miss", "the tokens do not lead to this cut")
-        with self.env.lease(RESTORE, protects=[hit.manifest_id.hex()]):
-            chain = self.load_chain(hit.manifest_id)
+        # every request of the restore (lease included) ends by its deadline: a hung server
+        # refuses it (io) within restore_deadline_s and a few seconds, and the caller recomputes
+        store = self._bounded(self.restore_deadline_s)
+        with store.env.lease(RESTORE, protects=[hit.manifest_id.hex()]):
+            chain = store.load_chain(hit.manifest_id)
             top = chain[0]
             if top.cut.token_root != hit.node_id or top.cut.token_count != hit.cut or top.cut.aux_root != ctx.aux_root:
                 raise StoreError("corrupt", "stored cut does not match its index entry")
@@ -557,9 +582,9 @@ class PackStore:
             t_packs = time.perf_counter()
             install = session.begin_install(hit.cut, list(tokens[: hit.cut]), session.engine.identity)
             try:
-                result = install_chunks(self._jobs(chain, install), _EnvChunks(self, ctx), install, layout, self.tuning)
+                result = install_chunks(self._jobs(chain, install), _EnvChunks(store, ctx), install, layout, self.tuning)
                 t_chunks = time.perf_counter()
-                logits = self._read_logits(hit.manifest_id, top)
+                logits = store._read_logits(hit.manifest_id, top)
                 if logits:
                     install.write_logits(logits)
                     install.commit()
@@ -704,9 +729,10 @@ class PackStore:
         tried. A cut forgotten while it was being restored (:class:`CutWithdrawn`) is a miss
         too, counted in ``Lookup.withdrawn``, and the lookup goes on with the next cut. An
         index entry the storage fails to read is passed over, never quarantined
-        (``Lookup.unreadable``); an I/O error while restoring the cut found still refuses
-        (``io``: the caller decides whether to recompute). The caller recomputes what was
-        not restored and republishes it.
+        (``Lookup.unreadable``); so is the cut found when restoring it fails with an I/O
+        error (``io``: EIO, or a server that did not answer within the restore's deadline,
+        ``restore_deadline_s``): the lookup then ends as a miss, the live session untouched.
+        The caller recomputes what was not restored and republishes it.
         ``require_logits=False`` also takes prefix cuts (engines that compute the next row)."""
         layout = layout if layout is not None else session.layout
         ids = ids if ids is not None else _engine_ids(session)
@@ -720,7 +746,17 @@ class PackStore:
                 unreadable.setdefault(u.node_id, u)
             if hit is None:
                 break
-            report, receipt, was_withdrawn = self._restore_healing(hit, session, tokens, aux=aux, require_logits=require_logits)
+            try:
+                report, receipt, was_withdrawn = self._restore_healing(hit, session, tokens, aux=aux, require_logits=require_logits)
+            except StoreError as exc:
+                if exc.category != "io":
+                    raise
+                # the storage failed (EIO, a server that hangs past the restore's deadline):
+                # a miss the caller recomputes, the entry reported like one the lookup could
+                # not read; no shallower cut is tried (the same storage serves it)
+                self.unreadable_entries += 1
+                unreadable.setdefault(hit.node_id, Unreadable(hit.node_id, exc))
+                break
             if report is not None:
                 return Lookup(hit, report, quarantined, withdrawn, list(unreadable.values()))
             if was_withdrawn:

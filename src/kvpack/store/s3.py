@@ -49,6 +49,15 @@ RANGE_BYTES = 8 << 20
 #: attempts (an index entry is 65 bytes: a healthy server answers in milliseconds)
 LOOKUP_TIMEOUT_S = 5.0
 LOOKUP_ATTEMPTS = 2
+#: under a deadline (S3Env.with_deadline: a restore, a save) every request gets a client
+#: whose per-attempt read timeout is one of these (seconds), the largest whose attempts,
+#: connects and retry backoff fit in what is left of the deadline
+DEADLINE_TIMEOUTS_S = (30.0, 16.0, 8.0, 4.0, 2.0, 1.0)
+#: connect timeout of those clients, and the longest first-retry backoff botocore sleeps
+DEADLINE_CONNECT_S = 1.0
+DEADLINE_BACKOFF_S = 2.0
+#: what a lease's release may still take once its deadline passed (one 1 s attempt)
+RELEASE_GRACE_S = DEADLINE_CONNECT_S + 1.0
 #: rewritten (random bytes, so a new ETag) by every gc sweep before it reads the leases
 GC_EPOCH = "gc.epoch"
 #: name prefix of the leases gc holds while it sweeps (publishers list them)
@@ -129,7 +138,7 @@ class _S3Lease(Lease):
         self._stop.set()
         self._thread.join(timeout=5)
         try:
-            self.env.delete(self.name)
+            self.env.for_release().delete(self.name)
         except StoreError:
             pass  # it expires on its own
 
@@ -160,6 +169,8 @@ class S3Env(StorageEnv):
         self._client_args: dict[str, Any] | None = None
         self._quick: S3Env | None = None
         self._quick_lock = threading.Lock()
+        #: clients of :meth:`with_deadline` views, per (read timeout, attempts)
+        self._deadline_clients: dict[tuple[float, int], Any] = {}
 
     @classmethod
     def from_url(cls, url: str, *, endpoint: str | None = None, credentials_file: str | None = None, gc_grace_s: float | None = None) -> "S3Env":
@@ -185,6 +196,35 @@ class S3Env(StorageEnv):
                 quick._client_args = None
                 self._quick = quick
             return self._quick
+
+    def with_deadline(self, deadline: float) -> "S3Env":
+        """This env with every request bounded by ``deadline`` (``time.monotonic()``): a
+        request starts only before it, with a client whose timeouts and attempts fit in
+        what is left (:func:`deadline_budget`), so a hung server costs the caller the
+        deadline and at most ``DEADLINE_CONNECT_S + 1`` s more (a request started just
+        before it), never 30 s x 3 per request. Past the deadline a request refuses at once
+        (``io``). A view: it shares this env's thread pool and clients, and closing it
+        closes nothing."""
+        view: Any = copy.copy(self)
+        view.__class__ = _DeadlineS3Env
+        view._base = self
+        view._deadline = deadline
+        view._quick = None
+        return view
+
+    def for_release(self) -> "S3Env":
+        """The env a lease's release deletes through (a deadline view: a short grace past it)."""
+        return self
+
+    def _deadline_client(self, timeout_s: float, attempts: int) -> Any:
+        """A cached client of ``timeout_s`` per read and ``attempts`` attempts (made like
+        the env's own: same endpoint and credentials)."""
+        key = (timeout_s, attempts)
+        with self._quick_lock:
+            if key not in self._deadline_clients:
+                args = self._client_args or {}
+                self._deadline_clients[key] = make_client(**args, timeout_s=timeout_s, attempts=attempts, connect_timeout_s=DEADLINE_CONNECT_S)
+            return self._deadline_clients[key]
 
     def key(self, name: str) -> str:
         return self.prefix + name
@@ -459,6 +499,52 @@ class S3Env(StorageEnv):
         self._pool.shutdown(wait=False)
 
 
+def deadline_budget(left: float) -> tuple[float, int]:
+    """``(read timeout, attempts)`` for a request with ``left`` seconds of its deadline:
+    the largest ``DEADLINE_TIMEOUTS_S`` entry whose worst case (``attempts`` x (connect +
+    read) plus the retry backoff) fits; two attempts when they fit, else one; with less
+    than the smallest worst case left, one attempt of the smallest timeout (at most
+    ``DEADLINE_CONNECT_S + 1`` s)."""
+    for attempts in (2, 1):
+        for t in DEADLINE_TIMEOUTS_S:
+            if attempts * (DEADLINE_CONNECT_S + t) + (attempts - 1) * DEADLINE_BACKOFF_S <= left:
+                return t, attempts
+    return DEADLINE_TIMEOUTS_S[-1], 1
+
+
+class _DeadlineS3Env(S3Env):
+    """:meth:`S3Env.with_deadline`'s view: ``client`` is chosen per request from what is
+    left of the deadline, and refuses (``io``) once it passed."""
+
+    _base: S3Env
+    _deadline: float
+
+    @property
+    def client(self) -> Any:
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise StoreError("io", f"s3 {self.location}: the operation's deadline passed (the server answered too slowly or not at all)")
+        if self._base._client_args is None:
+            return self._base.client  # an env around a given client: its own timeouts
+        return self._base._deadline_client(*deadline_budget(left))
+
+    @client.setter
+    def client(self, value: Any) -> None:
+        pass  # set by copy.copy / __init__ of the base: the view never keeps one
+
+    def with_deadline(self, deadline: float) -> "S3Env":
+        return self._base.with_deadline(min(deadline, self._deadline))
+
+    def for_lookup(self) -> "S3Env":
+        return self  # already bounded
+
+    def for_release(self) -> "S3Env":
+        return self._base.with_deadline(max(self._deadline, time.monotonic() + RELEASE_GRACE_S))
+
+    def close(self) -> None:
+        pass  # the base env owns the pool and the clients
+
+
 def _lease_body(data: bytes, default_ttl: float) -> tuple[float, list[str]]:
     """``(ttl_s, protects)`` of a lease object; ValueError if it is not what _S3Lease writes
     (a JSON object, ``ttl_s`` a positive finite number, ``protects`` a list of strings)."""
@@ -503,7 +589,9 @@ def check_endpoint(endpoint: str) -> None:
         raise StoreError("usage", f"S3 endpoint {endpoint!r} is not an http(s)://host[:port] URL (--endpoint or KVPACK_S3_ENDPOINT)")
 
 
-def make_client(*, endpoint: str | None = None, credentials_file: str | None = None, timeout_s: float = 30.0, attempts: int = 3) -> Any:
+def make_client(
+    *, endpoint: str | None = None, credentials_file: str | None = None, timeout_s: float = 30.0, attempts: int = 3, connect_timeout_s: float | None = None
+) -> Any:
     """A boto3 S3 client: path-style addressing, ``attempts`` attempts per request in all,
     ``timeout_s`` per socket read (and at most 10 s per connect), no extra checksums
     (kvpack verifies SHA-256 digests itself). Credentials from the file, else the
@@ -521,7 +609,7 @@ def make_client(*, endpoint: str | None = None, credentials_file: str | None = N
         # total attempts, the first included: botocore reads "max_attempts" as retries after
         # the first, so attempts=3 made 4 and the readiness probe's attempts=1 made 2
         retries={"total_max_attempts": attempts, "mode": "standard"},
-        connect_timeout=min(10.0, timeout_s),
+        connect_timeout=min(10.0, timeout_s) if connect_timeout_s is None else connect_timeout_s,
         read_timeout=timeout_s,
         max_pool_connections=32,
         request_checksum_calculation="when_required",
