@@ -300,3 +300,31 @@ def test_a_hung_producer_store_holds_no_control_connection_per_job(tmp_path):
     finally:
         ops.release()
         n.stop()
+
+
+def test_the_status_page_never_reads_the_receipts_disk(tmp_path):
+    """A receipt-named file whose read never returns (a FIFO nobody writes: what a hung
+    receipts disk does to a reader) must not hold the status page: the history is read once,
+    when the writer opens, and only from regular files."""
+    from kvpack.node.status import _recent
+
+    d = str(tmp_path / "receipts")
+    os.makedirs(d)
+    w0 = ReceiptWriter(d)
+    kept = w0.write({"role": "receiver", "verdict": "committed", "request_id": "r-1"})
+    w0.close()
+    fifo = os.path.join(d, f"{time.time_ns()}-receiver-committed-000000.json")  # the newest
+    os.mkfifo(fifo)
+    t, box = _in_thread(lambda: ReceiptWriter(d))
+    assert not _join_all([t]) and "value" in box, box
+    w = box["value"]
+    w.recent.clear()  # a node whose history is empty (before: the page then read the directory)
+    t, box = _in_thread(lambda: _recent(w))
+    stuck = _join_all([t], 20.0)
+    if stuck:
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))  # lets the reader go
+    assert not stuck, "the status page read a receipt that never answers"
+    assert box["value"] == []
+    w2 = ReceiptWriter(d)
+    assert [r["request_id"] for r in w2.recent] == ["r-1"] and os.path.basename(kept or "").startswith(w2.recent[0]["receipt"])
+    assert os.path.exists(fifo)  # passed over, not read

@@ -43,7 +43,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from ..durable import REAL_OPS, FileOps, atomic_write, ensure_dir
+from ..durable import REAL_OPS, FileOps, atomic_write, call_with_deadline, ensure_dir
 
 RECEIPT_SCHEMA = "kvpack-node-receipt-v1"
 RECENT_RECEIPTS = 256
@@ -186,6 +186,21 @@ class ReceiptWriter:
         self._files: collections.OrderedDict[str, int] = collections.OrderedDict()
         self._bytes = 0
         self._index()
+        self._load_history()
+
+    def _load_history(self) -> None:
+        """The newest receipts' summaries for the status page, read once here (bounded: a
+        receipts disk that does not answer within 2 s leaves the page without history), so
+        that no page request ever reads the receipts disk."""
+        from .status import load_recent_receipts
+
+        loaded: list[dict] = []
+        try:
+            stuck = call_with_deadline(lambda: loaded.extend(load_recent_receipts(self.directory)), 2.0, name="kvpack-receipts-history")
+        except Exception:  # noqa: BLE001 - history is a convenience
+            return
+        if stuck is None:
+            self.recent.extend(loaded)
 
     def _index(self) -> None:
         try:

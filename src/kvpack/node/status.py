@@ -32,6 +32,7 @@ import json
 import logging
 import os
 import platform
+import stat
 import threading
 import time
 from collections.abc import Callable
@@ -141,7 +142,9 @@ def summarize_receipt(receipt: dict[str, Any], receipt_id: str) -> dict[str, Any
 
 
 def load_recent_receipts(directory: str, limit: int = 50) -> list[dict[str, Any]]:
-    """Summaries of the newest ``limit`` receipt files (after a restart the page has history)."""
+    """Summaries of the newest ``limit`` receipt files (after a restart the page has history).
+    Only regular files are read (opened non-blocking, never through a link): a FIFO or
+    device named like a receipt would block the reader forever."""
     try:
         names = sorted(n for n in os.listdir(directory) if n.endswith(".json") and not n.startswith("."))[-limit:]
     except OSError:
@@ -149,7 +152,10 @@ def load_recent_receipts(directory: str, limit: int = 50) -> list[dict[str, Any]
     out = []
     for name in names:
         try:
-            with open(os.path.join(directory, name), "rb") as fh:
+            fd = os.open(os.path.join(directory, name), os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+            with open(fd, "rb") as fh:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    continue
                 receipt = json.loads(fh.read(1 << 20))
         except (OSError, ValueError):
             continue
@@ -177,10 +183,9 @@ def throughput(transfers: list[dict[str, Any]], now: float | None = None) -> dic
 
 
 def _recent(writer: Any) -> list[dict[str, Any]]:
+    # memory only: the writer loaded the history when it opened (ReceiptWriter), so a page
+    # request never reads the receipts disk (a hung one held each request's thread)
     recent = list(getattr(writer, "recent", []) or [])
-    if not recent and getattr(writer, "directory", None):
-        recent = load_recent_receipts(writer.directory)
-        writer.recent.extend(recent)
     return list(reversed(recent[-50:]))  # newest first
 
 
