@@ -328,3 +328,25 @@ def test_the_status_page_never_reads_the_receipts_disk(tmp_path):
     w2 = ReceiptWriter(d)
     assert [r["request_id"] for r in w2.recent] == ["r-1"] and os.path.basename(kept or "").startswith(w2.recent[0]["receipt"])
     assert os.path.exists(fifo)  # passed over, not read
+
+
+def test_a_refusal_reports_its_own_category_while_its_receipt_is_slow(tmp_path, monkeypatch):
+    """The refusing stripe fails the shared install at once, then writes its receipt, then
+    tells the request why. The request's waiter sees the failed install meanwhile: it must
+    still report the refusal's own category (here ``ledger_unavailable``), not ``aborted``."""
+    ops = FaultyOps()
+    n = _HungLedgerNodes(tmp_path / "n", ops)
+    receipts_hung = FaultyOps(hang_ops={"fsync"})
+    try:
+        n.receiver.generate(PROMPT, 4)
+        n.receiver.receipts.budget = dataclasses.replace(n.receiver.receipts.budget, wait_s=0.5)
+        monkeypatch.setattr(receipts_mod, "atomic_write", lambda path, data, **kw: atomic_write(path, data, **{**kw, "ops": receipts_hung}))
+        ops.hang_ops = {"fsync"}
+        t, box = _in_thread(lambda: n.receiver.generate(list(range(2, 600)), 4))
+        assert not _join_all([t]), "the request hung"
+        err = box.get("error")
+        assert isinstance(err, ProtocolError) and err.category == "ledger_unavailable", box
+    finally:
+        ops.release()
+        receipts_hung.release()
+        n.stop()

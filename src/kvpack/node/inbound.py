@@ -119,6 +119,9 @@ class Pending:
     refusals: dict = field(default_factory=dict)
     shared: Optional[SharedInstall] = None
     committed_stripes: dict = field(default_factory=dict)
+    #: when the waiter first saw the shared install failed with no refusal of the producer's
+    #: own connections recorded yet (the refusing stripe is still reporting it)
+    failed_seen: Optional[float] = None
 
     def finish(self, outcome: Optional[dict] = None, error: Optional[BaseException] = None) -> None:
         with self.lock:
@@ -429,6 +432,9 @@ class InboundRun:
         if self.admitted:
             self.shared.fail(f"stripe {self.index}: {verdict_of(err)[0]}")
         reason, detail = verdict_of(err)
+        # the request hears the category before anything slower (the receipt) runs: its
+        # waiter may already see the shared install failed and report the best refusal known
+        self.pending.refused(reason, detail, authenticated=True)
         info = self.info()
         phase = "admitted" if self.admitted else "begin"
         self.node.refuse(reason, detail, phase=phase, peer=self.chan.peer_address, peer_leaf_sha256=self.chan.peer.leaf_sha256, **info)

@@ -87,6 +87,9 @@ __all__ = ["EXT_PREFIX_CUT", "NamedSessions", "Pending", "ProducerLink", "Receiv
 
 #: idle payload buffers a decode node keeps for the next transfers (two per connection)
 PAYLOAD_POOL_BYTES = 512 << 20
+#: how long a waiter that sees the shared install failed waits for the refusing stripe to
+#: report its category (it finishes the request itself, normally at once)
+SHARED_FAIL_GRACE_S = 0.5
 
 
 log = logging.getLogger("kvpack.node.receiver")
@@ -639,7 +642,12 @@ class ReceiverNode:
                 raise pending.last_refusal(f"producer failed: {resp.error}")
         now = time.monotonic()
         if pending.shared is not None and pending.shared.failed is not None and not pending.shared.committed:
-            raise pending.last_refusal(f"transfer refused: {pending.shared.failed}")
+            # the refusing stripe records its category, then finishes the request with its
+            # error; give it a moment before answering with less (``aborted``)
+            if 3 in pending.refusals or now - (pending.failed_seen or now) >= SHARED_FAIL_GRACE_S:
+                raise pending.last_refusal(f"transfer refused: {pending.shared.failed}")
+            if pending.failed_seen is None:
+                pending.failed_seen = now
         if not pending.admitted and now > pending.deadline:
             raise pending.last_refusal("no admissible transfer before the accept deadline")
         if now > pending.end:
