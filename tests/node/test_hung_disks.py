@@ -25,7 +25,7 @@ import time
 import pytest
 
 from kvpack.durable import atomic_write
-from kvpack.errors import KvpackError, ProtocolError
+from kvpack.errors import KvpackError, ProtocolError, UsageError
 from kvpack.node import receipts as receipts_mod
 from kvpack.node.ledger_gate import LedgerGate, LedgerGuard
 from kvpack.node.producer import ProducerNode
@@ -350,3 +350,18 @@ def test_a_refusal_reports_its_own_category_while_its_receipt_is_slow(tmp_path, 
         ops.release()
         receipts_hung.release()
         n.stop()
+
+
+def test_the_receipt_wait_and_ledger_deadline_are_operator_settings(tmp_path):
+    from kvpack.cli import build_parser
+
+    cfg = tmp_path / "node.json"
+    cfg.write_text("{}")
+    for role in ("receiver", "producer"):
+        args = build_parser().parse_args([role, "--config", str(cfg), "--receipt-wait", "250ms", "--ledger-deadline", "2"])
+        assert (args.receipt_wait, args.ledger_deadline) == (0.25, 2.0)
+        with pytest.raises(UsageError):  # a deadline is > 0
+            build_parser().parse_args([role, "--config", str(cfg), "--ledger-deadline", "0"])
+    node = ProducerNode(None, receipts_dir=str(tmp_path / "r"), receipt_wait_s=0.25, ledger_deadline_s=2.0)
+    assert node.receipts.budget.wait_s == 0.25 and node.ledger_deadline_s == 2.0
+    node.receipts.close()

@@ -120,6 +120,8 @@ def cmd_receiver(args: argparse.Namespace) -> int:
         slot_wait_s=args.slot_wait,
         ledger_max_tail_ms=args.ledger_max_tail_ms,
         tls_fronts=args.tls_fronts,
+        receipt_wait_s=args.receipt_wait,
+        ledger_deadline_s=args.ledger_deadline,
     )
     _prepare_metrics(node, metrics_host, metrics_tls, args)
     _bind(node)
@@ -232,6 +234,8 @@ def cmd_producer(args: argparse.Namespace) -> int:
         limits=_limits(args),
         prefill_slots=args.prefill_slots,
         max_stripes=args.max_stripes,
+        receipt_wait_s=args.receipt_wait,
+        ledger_deadline_s=args.ledger_deadline,
     )
     _prepare_metrics(node, metrics_host, metrics_tls, args)
     _bind(node)
@@ -403,6 +407,18 @@ def _limit_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--handshake-timeout", type=duration_at_most(MAX_HANDSHAKE_S), default=5.0, help="seconds a peer has to finish its whole TLS handshake (at most 600)"
+    )
+    p.add_argument(
+        "--receipt-wait",
+        type=duration,
+        default=1.0,
+        help="seconds a reply waits for its receipt to be on disk; then it goes out and the receipt is written when the disk answers (pending)",
+    )
+    p.add_argument(
+        "--ledger-deadline",
+        type=duration,
+        default=5.0,
+        help="seconds a transfer waits for the replay/generation ledger (its lock, a durable write) before it is refused ledger_unavailable",
     )
 
 

@@ -68,7 +68,7 @@ from .common import chunk_tokens, hash_workers, now_ms, read_control, readable, 
 from .control import EXT_PREFIX_CUT, EXT_STRIPES, EXTENSIONS, MAX_REQUEST_BYTES, echo_id, split_extensions
 from .ladder import ResidentRadix, RowsSource, window_covers
 from .metrics import NodeMetrics
-from .receipts import ReceiptWriter, RefusalLog
+from .receipts import ReceiptBudget, ReceiptWriter, RefusalLog
 from .status import attach_producer
 from .striping import stripe_count, stripe_transfer_id
 from .transport import Limits, Listener, bind_tcp
@@ -219,6 +219,7 @@ class ProducerNode:
         request_read_s: float = 30.0,
         ledger_deadline_s: float = GENERATION_DEADLINE_S,
         ledger_ops: FileOps = REAL_OPS,
+        receipt_wait_s: float = ReceiptBudget.wait_s,
     ) -> None:
         self.config = config
         #: how long a job waits for the generation ledger before it is answered failed
@@ -232,7 +233,7 @@ class ProducerNode:
         self.store = store
         self.receipts_dir = receipts_dir
         self.refusal_log = RefusalLog("producer", os.path.join(os.path.abspath(receipts_dir), "refusals.log"))
-        self.receipts = ReceiptWriter(receipts_dir, refusal_log=self.refusal_log)
+        self.receipts = ReceiptWriter(receipts_dir, ReceiptBudget(wait_s=receipt_wait_s), refusal_log=self.refusal_log)
         self.metrics = NodeMetrics("producer")
         self.metrics.watch_receipts(self.receipts)
         self.refusal_log.on_count = self.metrics.refusal

@@ -74,7 +74,7 @@ from .ladder import DurableMiss, HeldPrefix, Ladder, Plan, ResidentRadix, RowsSo
 from .ledger_gate import LedgerGuard
 from .local_api import NEVER, ApiLimits, ApiSocket, CancelToken, LocalApi, request_local
 from .metrics import NodeMetrics
-from .receipts import ReceiptWriter, RefusalLog
+from .receipts import ReceiptBudget, ReceiptWriter, RefusalLog
 from .slots import DecodeSlots, Slot
 from .status import attach_receiver, log_request
 from .striping import parse_stripe
@@ -207,6 +207,7 @@ class ReceiverNode:
         tls_fronts: FrontsSetting = "auto",
         ledger_deadline_s: float = LEDGER_IO_DEADLINE_S,
         ledger_ops: FileOps = REAL_OPS,
+        receipt_wait_s: float = ReceiptBudget.wait_s,
     ) -> None:
         self.configs: list[ReceiverConfig] = [config] if isinstance(config, ReceiverConfig) else list(config)
         if not self.configs:
@@ -216,7 +217,7 @@ class ReceiverNode:
         self.engine = engine
         self.store = store
         self.refusal_log = RefusalLog("receiver", os.path.join(os.path.abspath(receipts_dir), "refusals.log"))
-        self.receipts = ReceiptWriter(receipts_dir, refusal_log=self.refusal_log)
+        self.receipts = ReceiptWriter(receipts_dir, ReceiptBudget(wait_s=receipt_wait_s), refusal_log=self.refusal_log)
         self.metrics = NodeMetrics("receiver")
         self.metrics.watch_receipts(self.receipts)
         self.refusal_log.on_count = self.metrics.refusal
