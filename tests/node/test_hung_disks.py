@@ -365,3 +365,31 @@ def test_the_receipt_wait_and_ledger_deadline_are_operator_settings(tmp_path):
     node = ProducerNode(None, receipts_dir=str(tmp_path / "r"), receipt_wait_s=0.25, ledger_deadline_s=2.0)
     assert node.receipts.budget.wait_s == 0.25 and node.ledger_deadline_s == 2.0
     node.receipts.close()
+
+
+def test_a_written_receipt_is_on_the_status_page_and_in_the_log_when_write_returns(tmp_path):
+    """Whoever hears 'written' (a reply, then a look at the status page or the log) finds the
+    receipt there, even behind a slow log handler."""
+    import logging
+
+    seen: list[str] = []
+
+    class Slow(logging.Handler):
+        def emit(self, record):
+            time.sleep(0.2)  # a log shipper that takes its time
+            seen.append(getattr(record, "msg", ""))
+
+    handler = Slow()
+    logger = logging.getLogger("kvpack.node.receipts")
+    logger.addHandler(handler)
+    old_level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        w = ReceiptWriter(str(tmp_path))
+        path = w.write({"role": "receiver", "verdict": "committed", "request_id": "r-9"})
+        assert path is not None
+        assert len(seen) == 1 and w.recent[-1]["request_id"] == "r-9"
+        w.close()
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old_level)

@@ -297,25 +297,25 @@ class ReceiptWriter:
                 state = "written"
             except Exception as exc:  # noqa: BLE001 - the writer never dies
                 self._failed(exc)
+            if state == "written":
+                with self._lock:
+                    self._files[ticket.name] = len(ticket.data)
+                    self._bytes += len(ticket.data)
+                    self.written += 1
+                    self._rotate()
+                try:  # before the caller hears of it: the status page and the log have it then
+                    self._announce(ticket.body, ticket.name)
+                except Exception:  # noqa: BLE001 - a log handler must not stop the writer
+                    pass
             with self._lock:
                 self.writing_since = None
                 self._held -= 1
                 self._held_bytes -= len(ticket.data)
                 ticket.state = state
-                if state == "written":
-                    self._files[ticket.name] = len(ticket.data)
-                    self._bytes += len(ticket.data)
-                    self.written += 1
-                    if not ticket.waited:
-                        self.late += 1
-                    self._rotate()
+                if state == "written" and not ticket.waited:
+                    self.late += 1
                 ticket.done.set()
                 self._cond.notify_all()
-            if state == "written":
-                try:
-                    self._announce(ticket.body, ticket.name)
-                except Exception:  # noqa: BLE001 - a log handler must not stop the writer
-                    pass
 
     def drain(self, timeout: float) -> bool:
         """Wait at most ``timeout`` s until every queued receipt was written (or failed)."""
