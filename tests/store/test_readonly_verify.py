@@ -133,6 +133,7 @@ def test_verify_waits_for_gc_holding_the_lock_and_gc_waits_for_verify(tmp_path):
     store = PosixBackend().new(str(tmp_path))
     session_with(engine(), TOKENS[:600], store)
     store.env.lock_timeout_s = 0.2
+    store.env.gc_wait_s = 0.2  # gc waits gc_wait_s (KVPACK_GC_WAIT_S), everyone else lock_timeout_s
     with store.env.lease(GC):
         with pytest.raises(StoreError) as info:
             store.verify(read_data=False)

@@ -69,6 +69,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         q = ss.add_parser(name, help=helptext)
         q.add_argument("dir", metavar="STORE", type=not_a_file, help=STORE_HELP)
         _location_args(q)
+        if name == "gc":
+            q.add_argument(
+                "--wait",
+                type=wait_seconds,
+                help="seconds a directory store's gc waits for the store lock before it refuses (exit 11; default: KVPACK_GC_WAIT_S or 600)",
+            )
         q.set_defaults(func=func)
 
     q = ss.add_parser("show", help="describe one cut (its pack chain, states, chunks)")
@@ -275,7 +281,28 @@ def cmd_forget(args) -> int:
     return 0
 
 
+def wait_seconds(text: str) -> float:
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
+    return value
+
+
+wait_seconds.__name__ = "seconds"
+
+
 def cmd_gc(args) -> int:
-    removed = _open(args).gc()
+    store = _open(args)
+    env = store.env
+    if hasattr(env, "gc_wait_s"):  # a directory store: gc takes the store lock exclusively
+        env.on_wait = lambda line: print(f"kvpack: {line}", file=sys.stderr, flush=True)
+        if args.wait is not None:
+            env.gc_wait_s = args.wait
+    removed = store.gc()
     print(json.dumps(removed) if args.json else "removed " + ", ".join(f"{v} {k}" for k, v in removed.items()))
     return 0

@@ -17,18 +17,62 @@ import errno
 import fcntl
 import hashlib
 import os
+import logging
 import stat
+import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 
 from ..durable import REAL_OPS, FileOps, atomic_write, durable_unlink, ensure_dir, sync_dir
 from ..errors import DurableIOError, StoreError
 from ..vocab import FileLock, LockHeld
-from .env import GC, Buffer, Lease, ReadBuffer, ObjectInfo, ObjectMissing, StorageEnv
+from .env import GC, seconds_setting, Buffer, Lease, ReadBuffer, ObjectInfo, ObjectMissing, StorageEnv
 
 #: Top-level directories of a store (one per object kind).
 SUBDIRS = ("chunks", "packs", "logits", "index", "quarantine")
+#: how long ``gc`` waits for the exclusive store lock before it refuses (``locked``), seconds
+#: (``KVPACK_GC_WAIT_S``, ``kvpack store gc --wait``)
+DEFAULT_GC_WAIT_S = 600.0
+#: a gc waiting for the lock holds this file exclusively: restores and publishers that come
+#: later wait for it before they take the store lock shared, so a gc is never starved by a
+#: stream of overlapping restores (it gets the lock once those already holding it finish)
+GC_PENDING = "gc.pending"
+#: seconds between a waiting gc's progress lines
+GC_WAIT_REPORT_S = 10.0
+#: the longest a restore or publisher waits behind a pending gc before it takes the lock
+#: shared anyway: a gc stuck behind one hung restore must not stall every other restore for
+#: its whole wait (seconds; PosixEnv.gc_yield_s)
+GC_YIELD_S = 5.0
+
+log = logging.getLogger("kvpack.store")
+
+
+def lock_holders(path: str) -> list[int]:
+    """Pids holding a flock on ``path`` (from /proc/locks; empty where that is unreadable):
+    what a waiting gc names in its progress line and its refusal."""
+    try:
+        st = os.stat(path)
+        with open("/proc/locks", encoding="ascii", errors="replace") as fh:
+            lines = fh.read(1 << 20).splitlines()
+    except OSError:
+        return []
+    want = f":{st.st_ino}"
+    pids: list[int] = []
+    for line in lines:
+        fields = line.split()
+        if "->" in fields:  # a waiter, not a holder
+            continue
+        if len(fields) >= 6 and fields[1] == "FLOCK" and fields[5].endswith(want) and fields[4].isdigit():
+            pid = int(fields[4])
+            if pid not in pids:
+                pids.append(pid)
+    return pids
+
+
+def _holders_text(path: str) -> str:
+    pids = lock_holders(path)
+    return f"held by pid {', '.join(map(str, pids))}" if pids else "holder unknown"
 
 
 class _FlockLease(Lease):
@@ -44,6 +88,12 @@ class PosixEnv(StorageEnv):
         self.location = self.root
         self.ops = ops
         self.lock_timeout_s = lock_timeout_s
+        #: how long gc waits for the exclusive lock, and where its progress lines go
+        #: (default: the ``kvpack.store`` logger; the CLI prints them on stderr)
+        self.gc_wait_s = seconds_setting("KVPACK_GC_WAIT_S", DEFAULT_GC_WAIT_S)
+        self.on_wait: Callable[[str], None] | None = None
+        self.gc_yield_s = GC_YIELD_S
+        self._nested = threading.local()  # shared leases this thread holds
         self.io_parallelism = 0
 
     def _p(self, name: str) -> str:
@@ -206,7 +256,14 @@ class PosixEnv(StorageEnv):
     # -- leases ------------------------------------------------------------------------------
     @contextmanager
     def lease(self, purpose: str, *, protects: Sequence[str] = ()) -> Iterator[Lease]:
-        lock = FileLock(self._p("lock"), shared=purpose != GC)  # gc alone, everyone else shares
+        if purpose == GC:
+            with self._gc_lock():
+                yield _FlockLease()
+            return
+        depth = getattr(self._nested, "depth", 0)
+        if not depth:  # a lease nested in one this thread holds never waits for a gc: that gc waits for us
+            self._wait_for_pending_gc()
+        lock = FileLock(self._p("lock"), shared=True)  # gc alone, everyone else shares
         deadline = time.monotonic() + self.lock_timeout_s
         while True:
             try:
@@ -216,10 +273,77 @@ class PosixEnv(StorageEnv):
                 if time.monotonic() >= deadline:
                     raise StoreError("locked", f"{self.root}: another process held the store lock for {self.lock_timeout_s:.0f} s") from None
                 time.sleep(0.005)
+        self._nested.depth = depth + 1
         try:
             yield _FlockLease()
         finally:
+            self._nested.depth = depth
             lock.release()  # closing releases the flock
+
+    def _wait_for_pending_gc(self) -> None:
+        """Wait (up to ``gc_yield_s``) while a gc holds GC_PENDING: a shared flock taken and
+        dropped at once. Before the store lock, so a gc waiting for the restores in flight is
+        not overtaken by new ones; past ``gc_yield_s`` the lease goes ahead (the gc is stuck
+        behind something else: a hung holder must not stall every restore). A store without
+        the file (no gc ever waited, or a read-only store) has nothing pending."""
+        try:
+            fd = os.open(self._p(GC_PENDING), os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+        except OSError:
+            return
+        try:
+            deadline = time.monotonic() + min(self.gc_yield_s, self.lock_timeout_s)
+            while time.monotonic() < deadline:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                    return
+                except OSError as exc:
+                    if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                        return  # a pending marker we cannot lock stops nobody
+                time.sleep(0.005)
+        finally:
+            os.close(fd)
+
+    def _say(self, line: str) -> None:
+        (self.on_wait or log.warning)(line)
+
+    @contextmanager
+    def _gc_lock(self) -> Iterator[None]:
+        """GC_PENDING exclusively, then the store lock exclusively, each waited for up to
+        ``gc_wait_s`` in all; one progress line when the wait starts (naming the holders),
+        one every GC_WAIT_REPORT_S, and a one-line ``locked`` refusal past the deadline."""
+        deadline = time.monotonic() + self.gc_wait_s
+        pending = FileLock(self._p(GC_PENDING))
+        lock = FileLock(self._p("lock"))
+        waited_since: float | None = None
+        next_report = 0.0
+        try:
+            for held in (pending, lock):
+                while True:
+                    try:
+                        held.acquire()
+                        break
+                    except LockHeld:
+                        now = time.monotonic()
+                        what = "another gc" if held is pending else "restores, saves or checks"
+                        if now >= deadline:
+                            raise StoreError(
+                                "locked",
+                                f"{self.root}: gc waited {self.gc_wait_s:g} s for the store lock ({what}, {_holders_text(held.path)}); "
+                                "nothing was removed (raise --wait / KVPACK_GC_WAIT_S, or retry when the store is idle)",
+                            ) from None
+                        if waited_since is None:
+                            waited_since = now
+                        if now >= next_report:
+                            self._say(
+                                f"gc: waiting for the store lock of {self.root} ({what}, {_holders_text(held.path)}; "
+                                f"{now - waited_since:.0f} s of at most {self.gc_wait_s:g} s; new restores and saves wait behind this gc)"
+                            )
+                            next_report = now + GC_WAIT_REPORT_S
+                        time.sleep(0.005)
+            yield
+        finally:
+            lock.release()
+            pending.release()
 
     @contextmanager
     def check_lease(self) -> Iterator[None]:
@@ -263,7 +387,7 @@ class PosixEnv(StorageEnv):
 
     def destroy_empty(self) -> None:
         """Remove the empty subdirectories and the lock file of a refused ``init``."""
-        for name in ("lock",):
+        for name in ("lock", GC_PENDING):
             try:
                 os.unlink(os.path.join(self.root, name))
             except FileNotFoundError:
