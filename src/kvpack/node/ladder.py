@@ -293,7 +293,9 @@ class Ladder:
         self.resident = resident
         self.store = store
 
-    def plan(self, tokens: Sequence[int], live_session=None, live_prefilled: int = 0) -> Plan:
+    def plan(self, tokens: Sequence[int], live_session=None, live_prefilled: int = 0, *, durable: bool = True) -> Plan:
+        """The cheapest way to the prompt; ``durable=False`` leaves the store out (its
+        storage just failed a restore: the request recomputes instead of trying it again)."""
         t0 = time.perf_counter()
         tokens = [int(t) for t in tokens]
         p = len(tokens)
@@ -307,7 +309,7 @@ class Ladder:
         res = self.resident.lookup(self.identity, tokens)
         if res is not None:
             candidates.append(res)
-        if self.store is not None:
+        if self.store is not None and durable:
             # index entries passed over as damaged are quarantined on the way (a receipt each)
             hit = self.store.find_deepest_healing(tokens, self.engine.layout, self.engine.identity.ids())
             if hit is not None:

@@ -59,7 +59,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 from ..durable import REAL_OPS, FileOps
-from ..errors import EngineError, KvpackError, NetworkError, ProtocolError, SecurityError, UsageError
+from ..errors import EngineError, KvpackError, NetworkError, ProtocolError, SecurityError, StoreError, UsageError
 from ..handoff.control import MAX_PROMPT_TOKENS, ControlRequestV1
 from ..handoff.delta import ReuseAction
 from ..security.config import ReceiverConfig
@@ -913,6 +913,16 @@ class ReceiverNode:
             except DurableMiss as miss:
                 result.setdefault("quarantined", []).append(miss.receipt)
                 plan = self.ladder.plan(tokens, slot.session, slot.live_prefilled)
+                result["plan"] = plan.to_json()
+            except StoreError as exc:
+                if exc.category != "io":
+                    raise
+                # the store's storage failed the restore (EIO; an S3 server that did not
+                # answer within the restore's deadline): nothing was installed, so the request
+                # is planned again without the durable tier and recomputes (or transfers)
+                log.warning("durable restore failed (%s); planning without the store", exc.message)
+                result.setdefault("durable_unreadable", []).append(exc.message[:300])
+                plan = self.ladder.plan(tokens, slot.session, slot.live_prefilled, durable=False)
                 result["plan"] = plan.to_json()
         return plan
 
