@@ -30,6 +30,7 @@ from kvpack.node import receipts as receipts_mod
 from kvpack.node.ledger_gate import LedgerGate, LedgerGuard
 from kvpack.node.producer import ProducerNode
 from kvpack.node.receipts import ReceiptBudget, ReceiptWriter
+from kvpack.node import receiver as receiver_mod
 from kvpack.node.receiver import ReceiverNode
 from kvpack.security.ledger import ReplayLedger
 from kvpack.security.probe import ProbeResult
@@ -393,3 +394,37 @@ def test_a_written_receipt_is_on_the_status_page_and_in_the_log_when_write_retur
     finally:
         logger.removeHandler(handler)
         logger.setLevel(old_level)
+
+
+@pytest.mark.parametrize("step", ["probe", "open"])
+def test_a_hung_ledger_volume_refuses_the_start_instead_of_hanging_it(tmp_path, step, monkeypatch):
+    from kvpack.errors import SecurityError
+    from kvpack.node.common import load_engine
+
+    from .helpers import Enrolled
+
+    enrolled = Enrolled(str(tmp_path / "cluster"), load_engine("arrays:4:2:8"))
+    cfg = enrolled.receiver_config()
+    hung = FaultyOps(hang_ops={"fsync"})
+
+    monkeypatch.setattr(receiver_mod, "OPEN_GRACE_S", 0.5)
+
+    def node(ops):
+        kw = {"ledger_ops": ops, "ledger_deadline_s": 0.3, "ledger_max_tail_ms": 5000.0 if ops is not hung else 10.0}
+        # "open": the volume answers the probe (skipped), then hangs while the ledger opens
+        return ReceiverNode(cfg, None, receipts_dir=str(tmp_path / "r"), metrics_port=None, tls_fronts=0, check_volume=step == "probe", **kw)
+
+    try:
+        first = node(hung)
+        t, box = _in_thread(first.bind)
+        assert not _join_all([t]), "the start hung on the ledger volume"
+        err = box.get("error")
+        assert isinstance(err, SecurityError) and err.category == "volume" and "did not" in err.message, box
+        assert first.data_port is None and not first.links  # nothing bound, no ledger lock kept
+    finally:
+        hung.release()
+    if step == "open":  # the late open released its lock
+        assert hung.hanging.is_set()
+        _join_all([t for t in threading.enumerate() if t.name == "kvpack-ledger-open"])
+    second = node(FaultyOps()).bind()  # the volume answers again: the same config starts
+    second.stop()

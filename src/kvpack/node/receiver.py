@@ -58,13 +58,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
-from ..durable import REAL_OPS, FileOps
+from ..durable import REAL_OPS, FileOps, call_with_deadline
 from ..errors import EngineError, KvpackError, NetworkError, ProtocolError, SecurityError, StoreError, UsageError
 from ..handoff.control import MAX_PROMPT_TOKENS, ControlRequestV1
 from ..handoff.delta import ReuseAction
 from ..security.config import ReceiverConfig
 from ..security.ledger import LEDGER_IO_DEADLINE_S, ReplayLedger
-from ..security.probe import PROBE_MAX_TAIL_MS, ProbeResult, check_ledger_volume
+from ..security.probe import PROBE_ITERATIONS, PROBE_MAX_TAIL_MS, ProbeResult, check_ledger_volume
 from ..security.tls import DATA_ALPN, TlsEndpoint, client_context, server_context
 from ..vocab import is_token_aligned
 from .common import greedy, hash_workers, logits_bytes, now_ms, verdict_of
@@ -90,6 +90,9 @@ PAYLOAD_POOL_BYTES = 512 << 20
 #: how long a waiter that sees the shared install failed waits for the refusing stripe to
 #: report its category (it finishes the request itself, normally at once)
 SHARED_FAIL_GRACE_S = 0.5
+#: opening a replay ledger (lock, read, rollback check, first writes) may take this much
+#: longer than the ledger deadline before a start is refused
+OPEN_GRACE_S = 5.0
 
 
 log = logging.getLogger("kvpack.node.receiver")
@@ -296,16 +299,52 @@ class ReceiverNode:
         self._bound = True
         return self
 
+    def _probe_volume(self, path: str, gate_ms: float) -> ProbeResult:
+        """The start-up probe of a ledger's volume, bounded: a volume that does not answer
+        (an fsync that never returns) refuses the start (``volume``) after the ledger deadline
+        plus the time the samples may take, instead of hanging it before the ready line."""
+        box: list[ProbeResult] = []
+        deadline = self.ledger_deadline_s + PROBE_ITERATIONS * gate_ms / 1000.0
+        stuck = call_with_deadline(
+            lambda: box.append(check_ledger_volume(path, max_tail_ms=gate_ms, ops=self._ledger_ops)), deadline, name="kvpack-ledger-probe"
+        )
+        if stuck is not None:
+            raise SecurityError(
+                "volume",
+                f"replay ledger volume {os.path.dirname(os.path.abspath(path))!r} did not answer the start-up probe within {deadline:g} s "
+                "(a hung disk?): the node cannot reserve transfers there",
+            )
+        return box[0]
+
     def _open_link(self, cfg: ReceiverConfig) -> ProducerLink:
         probe = None
         if self._check_volume:
             os.makedirs(os.path.dirname(cfg.replay_ledger), mode=0o700, exist_ok=True)
             gate = PROBE_MAX_TAIL_MS if self._ledger_max_tail_ms is None else self._ledger_max_tail_ms
-            probe = check_ledger_volume(cfg.replay_ledger, max_tail_ms=gate)  # refuses a slow volume (C.9)
+            probe = self._probe_volume(cfg.replay_ledger, gate)  # refuses a slow volume (C.9)
         # concurrent requests and stripes of one producer reserve out of generation order
-        ledger = ReplayLedger.open(
-            cfg.replay_ledger, minimum_epoch=cfg.minimum_hmac_epoch, strict=False, io_deadline_s=self.ledger_deadline_s, ops=self._ledger_ops
-        )
+        opened: list[ReplayLedger] = []
+        handover = threading.Lock()
+        gave_up: list[bool] = []
+
+        def open_ledger() -> None:
+            led = ReplayLedger.open(
+                cfg.replay_ledger, minimum_epoch=cfg.minimum_hmac_epoch, strict=False, io_deadline_s=self.ledger_deadline_s, ops=self._ledger_ops
+            )
+            with handover:
+                if gave_up:
+                    led.close()  # opened after the start was refused: its lock is released
+                else:
+                    opened.append(led)
+
+        wait = self.ledger_deadline_s + OPEN_GRACE_S
+        stuck = call_with_deadline(open_ledger, wait, name="kvpack-ledger-open")
+        with handover:
+            if stuck is not None and not opened:
+                gave_up.append(True)
+        if not opened:  # a hung volume: refuse the start rather than hang before the ready line
+            raise SecurityError("volume", f"replay ledger {cfg.replay_ledger!r} did not open within {wait:g} s (a hung disk?)")
+        ledger = opened[0]
         try:
             control = None
             if cfg.producer_control is not None:
