@@ -223,7 +223,16 @@ class S3Env(StorageEnv):
         with self._quick_lock:
             if key not in self._deadline_clients:
                 args = self._client_args or {}
-                self._deadline_clients[key] = make_client(**args, timeout_s=timeout_s, attempts=attempts, connect_timeout_s=DEADLINE_CONNECT_S)
+                client = make_client(**args, timeout_s=timeout_s, attempts=attempts, connect_timeout_s=DEADLINE_CONNECT_S)
+                base_events = self.client.meta.events
+
+                def forward(event_name: str, **kwargs: Any) -> Any:
+                    # hooks registered on the env's own client ("before-send": request
+                    # counters of the tests and bench_store_backends) see these requests too
+                    return base_events.emit_until_response(event_name, **kwargs)[1]
+
+                client.meta.events.register("before-send", forward)
+                self._deadline_clients[key] = client
             return self._deadline_clients[key]
 
     def key(self, name: str) -> str:
