@@ -584,6 +584,8 @@ def main(argv=None) -> int:
         "attn": str(engine.config._attn_implementation),
         "prefill_attention": engine.prefill_attention,
         "prefill_forward": engine.prefill_forward,
+        "prefill_block_tokens": engine.block_tokens(),  # runs the block probe (bits vs the grid)
+        "prefill_block_reason": engine.block_reason,
         "build_s": round(build_s, 2),
         "h2d_gbps_pinned": round(h2d, 2),
         "d2h_gbps_pinned": round(d2h, 2),

@@ -25,6 +25,7 @@ length with both forwards' prefill and host-issue time per 256-token chunk from 
 
     python3 benchmarks/diag_prefill_chunks.py --tokens 32768,131072 --chunks 256,1024,2048,4096
     python3 benchmarks/diag_prefill_chunks.py --tokens 32768,131072 --chunks 256 --forwards model,lean,graphs
+    python3 benchmarks/diag_prefill_chunks.py --tokens 32768,131072 --chunks 256 --forwards graphs@1,graphs@4,graphs@8
 
 The host-overhead proxy on a CPU (tiny hidden size, 32 layers: a chunk's time is mostly Python
 and dispatch; docs/bench/prefill_host_profile.md):
@@ -107,7 +108,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", default="32768")
     ap.add_argument("--chunks", default="256,1024,2048,4096")
-    ap.add_argument("--forwards", default="auto", help="comma list of prefill_forward values (auto, lean, graphs, model)")
+    ap.add_argument(
+        "--forwards",
+        default="auto",
+        help="comma list of prefill_forward values (auto, lean, graphs, model), each optionally @K: K grid chunks per block call (prefill_block_chunks)",
+    )
     ap.add_argument("--prefill-attention", default="auto", choices=["auto", "lower_right", "sdpa"])
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--repeats", type=int, default=1, help="prefills per (forward, chunk); the fastest is reported")
@@ -124,7 +129,9 @@ def main(argv: list[str] | None = None) -> int:
 
     loaded = build_model(args, torch)
     engines = []
-    for forward in forwards:
+    labels: dict[int, str] = {}
+    for item in forwards:
+        forward, _, blocks = item.partition("@")
         engine = TransformersEngine(
             loaded,
             device=args.device,
@@ -132,9 +139,11 @@ def main(argv: list[str] | None = None) -> int:
             max_context=max(args.tokens) + 256,
             prefill_attention=args.prefill_attention,
             prefill_forward=forward,
+            prefill_block_chunks=int(blocks) if blocks else None,
             threads=args.threads,
         )
         engines.append(engine)
+        labels[id(engine)] = item
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     for engine in engines:
         warm = engine.new_session()
@@ -160,9 +169,12 @@ def main(argv: list[str] | None = None) -> int:
         per_forward: dict[str, dict] = {}
         for engine, c, dt, queued, s in _timed_prefills(engines, chunks, tokens, args.repeats, sync):
             line = {"bench": "diag_prefill_chunks", "tokens": n, "chunk": c, "prefill_s": round(dt, 4), "one_forward_s": round(one_s, 4)}
-            line["forward"] = engine.prefill_forward
+            label = labels[id(engine)]
+            line["forward"] = label
+            line["block_chunks"] = engine.block_chunks
+            line["block_reason"] = engine.block_reason
             if c == 256:
-                per_forward[engine.prefill_forward] = {"prefill_s": dt, "host_issue_s": queued}
+                per_forward[label] = {"prefill_s": dt, "host_issue_s": queued}
             # the host's time to issue every chunk: close to prefill_s means the GPU waited
             # for launches (per-chunk Python and kernel launch overhead), not the reverse
             line["host_issue_s"] = round(queued, 4)
@@ -178,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
                 line["logits_identical"] = bool(torch.equal(base_logits, s.last_logits))
                 line["first_differing_layer"] = first
                 if c == 256:
-                    per_forward[engine.prefill_forward]["bit_identical"] = line["bit_identical_to_256"]
+                    per_forward[label]["bit_identical"] = line["bit_identical_to_256"]
                 del s
             _emit(line, args.out)
         if len(per_forward) > 1:

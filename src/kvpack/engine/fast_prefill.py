@@ -134,6 +134,7 @@ class _PreallocatedBase:
         self._kbuf: Any = None
         self._vbuf: Any = None
         self._rows = 0
+        self._written = 0  # rows written from 0 (a block prefill writes ahead of ``_rows``)
         self._reserved = 0
 
     def reserve(self, rows: int) -> None:
@@ -155,6 +156,7 @@ class _PreallocatedBase:
             kbuf[:, :, : self._rows].copy_(self._kbuf[:, :, : self._rows])
             vbuf[:, :, : self._rows].copy_(self._vbuf[:, :, : self._rows])
         self._kbuf, self._vbuf = kbuf, vbuf
+        self._written = self._rows  # rows written ahead of ``_rows`` were not copied
 
     def lazy_initialization(self, key_states: Any, value_states: Any) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -167,16 +169,30 @@ class _PreallocatedBase:
         self._ensure(n + m, key_states)
         self._kbuf[:, :, n : n + m].copy_(key_states)
         self._vbuf[:, :, n : n + m].copy_(value_states)
-        self._rows = n + m
+        self._rows = self._written = n + m
         self.keys = self._kbuf[:, :, : self._rows]
         self.values = self._vbuf[:, :, : self._rows]
         return self.keys, self.values
+
+    def show(self, rows: int) -> None:
+        """Make the first ``rows`` written rows this layer's rows: a block prefill writes
+        several chunks' rows at once, then shows each chunk's cut in turn. Rows past it stay
+        written, unseen, until shown again or overwritten by the next update."""
+        if not 0 <= rows <= self._written:
+            from ..errors import EngineError
+
+            raise EngineError("layout", f"cannot show {rows} rows: {self._written} written")
+        self._rows = rows
+        if self._kbuf is not None:
+            self.keys = self._kbuf[:, :, :rows]
+            self.values = self._vbuf[:, :, :rows]
 
     def adopt(self, keys: Any, values: Any) -> None:
         """Take installed planes (1, kv_heads, rows, d) as this layer's rows (no copy; the
         first later update grows them)."""
         self.lazy_initialization(keys, values)
         self._kbuf, self._vbuf, self._rows = keys, values, keys.shape[-2]
+        self._written = self._rows
         self.keys, self.values = keys, values
 
     def get_seq_length(self, *args: Any) -> int:

@@ -33,7 +33,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from .lean_prefill import Plan, check_rows, embed_and_rotary, final_logits, post_attention, pre_attention
+from .lean_prefill import Plan, attend_chunks, check_rows, chunk_logits, embed_and_rotary, post_attention, pre_attention
 
 #: The engine ABI's record of this path.
 ABI_RECORD = "kvpack CUDA-graph segments of the lean Llama chunk forward (attention and cache copies eager)"
@@ -76,11 +76,14 @@ class SegmentedChunk:
     and on CUDA the next chunk's stream waits for the last one's work on those buffers (the
     calling threads may use different streams)."""
 
-    def __init__(self, plan: Plan, chunk_tokens: int, device: Any, *, capture: bool) -> None:
+    def __init__(self, plan: Plan, chunk_tokens: int, device: Any, *, capture: bool, grid_tokens: int | None = None) -> None:
         import torch
 
         self.plan = plan
         self.n = chunk_tokens
+        # the grid chunk: a runner of several grid chunks at once (the adapter's block
+        # prefill) attends chunk by chunk and returns every chunk's last-row logits
+        self.grid = grid_tokens or chunk_tokens
         self.capture = capture
         first = plan.layers[0]
         heads = first.q[0].shape[0] // first.head_dim
@@ -106,7 +109,7 @@ class SegmentedChunk:
         cos, sin = self.outputs[0][1], self.outputs[0][2]
         hidden = post_attention(plan.layers[index - 1], self.attn_out[index - 1], prev[0])
         if index == last:
-            return (final_logits(plan, hidden),)
+            return tuple(chunk_logits(plan, hidden, self.grid))
         return (hidden, *pre_attention(plan.layers[index], hidden, cos, sin))
 
     def _run(self, index: int) -> tuple:
@@ -146,6 +149,11 @@ class SegmentedChunk:
         """The lean forward of one full chunk (``input_ids`` ``(1, chunk_tokens)`` at
         positions ``[past, past + n)``); returns the last row's logits ``(1, 1, vocab)``
         (a fresh tensor: the graph's output buffer is overwritten by the next chunk)."""
+        return self.forward_block(cache_layers, input_ids, past)[-1]
+
+    def forward_block(self, cache_layers: list[Any], input_ids: Any, past: int) -> list[Any]:
+        """:meth:`forward` returning the last row's logits of every grid chunk in the
+        runner's ``chunk_tokens`` (one for a runner of one grid chunk), fresh tensors."""
         import warnings
 
         with self._lock, warnings.catch_warnings():
@@ -182,9 +190,13 @@ class SegmentedChunk:
         for index, (layer, cache_layer) in enumerate(zip(self.plan.layers, cache_layers)):
             query, key, value = outputs[-3:]
             key, value = cache_layer.update(key, value)
-            attend_into(self.attn_out[index].view(1, n, query.shape[1], layer.head_dim), query, key, value, layer.scaling, bias)
+            out = self.attn_out[index].view(1, n, query.shape[1], layer.head_dim)
+            if self.grid >= n:
+                attend_into(out, query, key, value, layer.scaling, bias)
+            else:
+                attend_chunks(out, query, key, value, layer.scaling, past, self.grid)
             outputs = self._run(index + 1)
-        return outputs[0].clone()
+        return [logits.clone() for logits in outputs]
 
 
 __all__ = ["ABI_RECORD", "STATIC_ROPE_TYPES", "SegmentedChunk", "same_plan", "unsupported_reason"]

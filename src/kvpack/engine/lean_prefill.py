@@ -281,6 +281,45 @@ def check_rows(cache_layers: list[Any], past: int) -> None:
 
 
 def _forward_chunk(plan: Plan, cache_layers: list[Any], input_ids: Any, past: int) -> Any:
+    return _forward_rows(plan, cache_layers, input_ids, past, input_ids.shape[1])[-1]
+
+
+def forward_block(plan: Plan, cache_layers: list[Any], input_ids: Any, past: int, chunk_tokens: int) -> list[Any]:
+    """Several consecutive grid chunks at once: ``input_ids`` ``(1, k * chunk_tokens)`` at
+    ``[past, past + k * chunk_tokens)``, ``past`` a multiple of ``chunk_tokens``. The
+    row-wise work (norms, projections, rotary, MLP) runs over all ``k * chunk_tokens`` rows in
+    one call each; every chunk's attention is the very call :func:`forward_chunk` makes for
+    that chunk (its ``chunk_tokens`` queries over the keys up to its own end). Returns the
+    last row's logits of every chunk, in order, each ``(1, 1, vocab)``.
+
+    Whether that equals the grid bit for bit rests on the row-wise kernels computing a row the
+    same way whatever the row count; the adapter checks it on the device before it uses this
+    (``TransformersEngine.block_chunks``), and falls back to one chunk at a time if not."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return _forward_rows(plan, cache_layers, input_ids, past, chunk_tokens)
+
+
+def attend_chunks(out: Any, query: Any, key: Any, value: Any, scaling: float | None, past: int, chunk_tokens: int) -> None:
+    """The attention of a block of chunks, one lower-right call per chunk exactly as the grid
+    makes it: chunk ``b``'s queries (rows ``[b * n, (b + 1) * n)`` of ``query``
+    ``(1, heads, rows, d)``) over the keys ``[0, past + (b + 1) * n)``, written into rows
+    ``[b * n, (b + 1) * n)`` of ``out`` ``(1, rows, heads, d)``."""
+    from .fast_prefill import attend_into, lower_right_bias
+
+    rows = query.shape[2]
+    n = min(chunk_tokens, rows)
+    for lo in range(0, rows, n):
+        hi = min(lo + n, rows)
+        end = past + hi
+        # the chunk's queries copied out contiguous, as the grid's own chunk has them (a
+        # strided view could steer the attention dispatch elsewhere)
+        attend_into(out[:, lo:hi], query[:, :, lo:hi].contiguous(), key[:, :, :end], value[:, :, :end], scaling, lower_right_bias(hi - lo, end))
+
+
+def _forward_rows(plan: Plan, cache_layers: list[Any], input_ids: Any, past: int, chunk_tokens: int) -> list[Any]:
     import torch
 
     from .fast_prefill import attend, lower_right_bias
@@ -293,14 +332,33 @@ def _forward_chunk(plan: Plan, cache_layers: list[Any], input_ids: Any, past: in
     for layer, cache_layer in zip(plan.layers, cache_layers):
         query, key, value = pre_attention(layer, hidden, cos, sin)
         key, value = cache_layer.update(key, value)
-        out = attend(query, key, value, layer.scaling, bias)
-        hidden = post_attention(layer, out.reshape(1, q_len, -1).contiguous(), hidden)
-    return final_logits(plan, hidden)
+        if q_len <= chunk_tokens:
+            out = attend(query, key, value, layer.scaling, bias).reshape(1, q_len, -1).contiguous()
+        else:
+            out = torch.empty((1, q_len, query.shape[1], layer.head_dim), dtype=query.dtype, device=query.device)
+            attend_chunks(out, query, key, value, layer.scaling, past, chunk_tokens)
+            out = out.view(1, q_len, -1)
+        hidden = post_attention(layer, out, hidden)
+    return chunk_logits(plan, hidden, chunk_tokens)
+
+
+def chunk_logits(plan: Plan, hidden: Any, chunk_tokens: int) -> list[Any]:
+    """The final norm over every row, then ``lm_head`` on the last row of each chunk of
+    ``chunk_tokens`` rows, one call per row (as :func:`final_logits` makes it per chunk)."""
+    import torch.nn.functional as F
+
+    hidden = rms_norm(hidden, plan.norm)
+    rows = hidden.shape[1]
+    ends = list(range(min(chunk_tokens, rows), rows + 1, chunk_tokens)) if rows > chunk_tokens else [rows]
+    return [F.linear(hidden[:, end - 1 : end, :], *plan.lm_head) for end in ends]
 
 
 __all__ = [
     "ABI_RECORD",
     "Plan",
+    "attend_chunks",
+    "chunk_logits",
+    "forward_block",
     "check_rows",
     "embed_and_rotary",
     "final_logits",

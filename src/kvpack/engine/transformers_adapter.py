@@ -56,6 +56,13 @@ REUSE_BLOCK_TOKENS = TOKEN_ALIGN  # reusable cuts are multiples of kvpack's one 
 #: Environment override of ``prefill_forward="auto"``: ``lean``, ``graphs`` or ``model``.
 PREFILL_FORWARD_ENV = "KVPACK_PREFILL_FORWARD"
 
+#: Environment override of ``prefill_block_chunks=None``: grid chunks per block prefill call.
+PREFILL_BLOCK_ENV = "KVPACK_PREFILL_BLOCK_CHUNKS"
+
+#: Grid chunks a block prefill takes at once on CUDA by default (1,024 rows of 256: the
+#: projections' rate at 1,024 rows is ~0.43 of their cost at 256, docs/engine.md).
+DEFAULT_CUDA_BLOCK_CHUNKS = 4
+
 _TORCH_TO_WIRE = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}
 
 # Which layers run without positions (NoPE), per model family. Unknown families are refused
@@ -92,6 +99,13 @@ class TransformersEngine:
     (default) is ``$KVPACK_PREFILL_FORWARD`` when set, else, where the lean forward is
     supported, ``graphs`` on CUDA (``lean`` if the rotary frequencies change per forward) and
     ``lean`` elsewhere. Recorded in the engine ABI.
+    ``prefill_block_chunks``: with the lean or graphs forward, a prompt's full chunks are
+    forwarded this many at a time: the row-wise work (norms, projections, MLP) over all their
+    rows in one call each, every chunk's attention exactly as the grid makes it. Before the
+    first use the engine prefills a probe prompt both ways and compares every plane and
+    logits row bit for bit; if anything differs it keeps one chunk at a time
+    (``block_reason`` says why). So the cut bits, and the identity, are the grid's. ``None``
+    (default): ``$KVPACK_PREFILL_BLOCK_CHUNKS`` when set, else 4 on CUDA and 1 elsewhere.
     """
 
     def __init__(
@@ -105,6 +119,7 @@ class TransformersEngine:
         adapter: dict[str, Any] | None = None,
         prefill_attention: str = "auto",
         prefill_forward: str = "auto",
+        prefill_block_chunks: int | None = None,
     ) -> None:
         torch = _torch()
         if sys.byteorder != "little":
@@ -130,6 +145,10 @@ class TransformersEngine:
         self.prefill_attention = self._choose_prefill_attention(prefill_attention)
         self.prefill_forward = self._choose_prefill_forward(prefill_forward)
         self._segmented_lock = threading.Lock()
+        self.block_chunks = self._choose_block_chunks(prefill_block_chunks)
+        self.block_reason: str | None = None  # why blocks were turned off, after the probe
+        self._block_checked = self.block_chunks <= 1
+        self._block_lock = threading.Lock()
         self.threads = torch.get_num_threads()
         self.max_context = int(max_context or getattr(self.config, "max_position_embeddings", 0) or 0)
         if self.max_context <= 0:
@@ -177,6 +196,80 @@ class TransformersEngine:
         if wanted != "model" and reason is not None:
             raise EngineError("unsupported", f"prefill_forward {wanted}: {reason}")
         return wanted
+
+    def _choose_block_chunks(self, wanted: int | None) -> int:
+        if wanted is None:
+            raw = os.environ.get(PREFILL_BLOCK_ENV, "")
+            if raw:
+                try:
+                    wanted = int(raw)
+                except ValueError:
+                    raise EngineError("unsupported", f"{PREFILL_BLOCK_ENV}={raw!r}: a whole number of chunks") from None
+            else:
+                wanted = DEFAULT_CUDA_BLOCK_CHUNKS if self.device.type == "cuda" else 1
+        if isinstance(wanted, bool) or not isinstance(wanted, int) or not 1 <= wanted <= 64:
+            raise EngineError("unsupported", f"prefill_block_chunks {wanted!r}: a whole number from 1 to 64")
+        if self.prefill_forward not in ("lean", "graphs"):
+            return 1  # the model's own forward takes one chunk at a time
+        return wanted
+
+    def block_tokens(self) -> int:
+        """Tokens of one block prefill call (the grid chunk when blocks are off), after the
+        engine's one-time probe that blocks compute the grid's bits on this device."""
+        if not self._block_checked:
+            with self._block_lock:
+                if not self._block_checked:
+                    self._probe_blocks()
+                    self._block_checked = True
+        return self.prefill_chunk_tokens * self.block_chunks
+
+    def _probe_blocks(self) -> None:
+        """Prefill a probe prompt in blocks and one chunk at a time; keep blocks only if
+        every plane and every chunk's logits row agree bit for bit.
+
+        The kernels a block runs are chosen by shape (rows, hidden sizes, dtype), never by
+        values, and the probe runs exactly the shapes a prefill runs (a block from position
+        0, a block after a block, a single chunk after them): rows that came out the same for
+        every value here are computed in the same order for any values."""
+        torch = _torch()
+        chunk = self.prefill_chunk_tokens
+        block = chunk * self.block_chunks
+        length = min(2 * block + chunk, self.max_context)
+        if length < block:
+            self.block_chunks, self.block_reason = 1, f"max_context {self.max_context} is shorter than one block of {block} tokens"
+            return
+        gen = torch.Generator().manual_seed(20261203)
+        probe = torch.randint(0, self.layout.vocab_size, (length,), generator=gen).tolist()
+        seen: dict[str, list[Any]] = {}
+        for mode in ("grid", "blocks"):
+            session = self.new_session()
+            rows: list[Any] = []
+            session._block_override = mode == "blocks"
+
+            def keep(s: "EngineSession", rows: list[Any] = rows) -> None:
+                assert s.last_logits is not None  # every chunk leaves its logits row
+                rows.append(s.last_logits.clone())
+
+            session.prefill(probe, on_chunk=keep)
+            planes = [t for layer in session.cache.layers for t in (layer.keys, layer.values)]
+            seen[mode] = rows + planes
+        same = len(seen["grid"]) == len(seen["blocks"]) and all(a.shape == b.shape and bool(torch.equal(a, b)) for a, b in zip(seen["grid"], seen["blocks"]))
+        if not same:
+            self.block_reason = f"blocks of {self.block_chunks} chunks did not reproduce the grid's bits on this device"
+            self.block_chunks = 1
+            warnings.warn(f"kvpack: {self.block_reason}; prefilling one chunk at a time", RuntimeWarning, stacklevel=2)
+
+    def segmented_block(self, plan: Any, tokens: int) -> Any:
+        """The graphs runner of a block of ``tokens`` (several grid chunks), kept like
+        :meth:`segmented_chunk`'s."""
+        from .graph_prefill import SegmentedChunk, same_plan
+
+        with self._segmented_lock:
+            runner = getattr(self, "_segmented_block", None)
+            if runner is None or runner.n != tokens or runner.grid != self.prefill_chunk_tokens or not same_plan(runner.plan, plan):
+                runner = SegmentedChunk(plan, tokens, self.device, capture=self.device.type == "cuda", grid_tokens=self.prefill_chunk_tokens)
+                self._segmented_block = runner
+            return runner
 
     def segmented_chunk(self, plan: Any) -> Any:
         """The full-chunk graph runner of ``prefill_forward="graphs"``
@@ -381,6 +474,7 @@ class EngineSession:
         self.tokens: list[int] = []
         self.cache = engine.session_cache()
         self.last_logits = None
+        self._block_override: bool | None = None  # the engine's block probe forces either way
 
     @property
     def position(self) -> int:
@@ -467,13 +561,60 @@ class EngineSession:
         for layer in self.cache.layers:  # preallocated rows: room for the whole prompt at once
             if hasattr(layer, "reserve"):
                 layer.reserve(self.position + len(ids))
+        block = self._block_tokens(lean)
         on_device = self._upload(ids)  # one copy for the whole prompt, not one per chunk
         i = 0
         while i < len(ids):
             pos = self.position
+            if block and pos % chunk == 0 and len(ids) - i >= block:
+                self._forward_block(ids[i : i + block], lean, on_device[:, i : i + block], on_chunk)
+                i += block
+                continue
             stop = min((pos // chunk + 1) * chunk - pos, len(ids) - i)
             self._forward(ids[i : i + stop], lean=lean, device_ids=on_device[:, i : i + stop])
             i += stop
+            if on_chunk is not None:
+                on_chunk(self)
+
+    def _block_tokens(self, lean: Any) -> int:
+        """Tokens per block prefill call for this prefill, 0 for one chunk at a time."""
+        if lean is None or self._block_override is False:
+            return 0
+        engine = self.engine
+        block = engine.prefill_chunk_tokens * engine.block_chunks if self._block_override else engine.block_tokens()
+        return block if block > engine.prefill_chunk_tokens else 0
+
+    def _forward_block(self, ids: list[int], lean: Any, device_ids: Any, on_chunk: Callable[["EngineSession"], None] | None) -> None:
+        """Forward a block of whole grid chunks (TransformersEngine ``prefill_block_chunks``),
+        then show the session chunk by chunk: each chunk's tokens, logits row and cache rows,
+        with ``on_chunk`` after each, as the grid leaves them (the block's later rows are
+        written but not yet the layers' rows)."""
+        torch = _torch()
+        if torch.get_num_threads() != self.engine.threads:
+            torch.set_num_threads(self.engine.threads)
+        n = self.engine.prefill_chunk_tokens
+        past = self.position
+        layers = self.cache.layers
+        try:
+            with torch.inference_mode():
+                if self.engine.prefill_forward == "graphs":
+                    rows = self.engine.segmented_block(lean, len(ids)).forward_block(layers, device_ids, past)
+                else:
+                    from .lean_prefill import forward_block
+
+                    rows = forward_block(lean, layers, device_ids, past, n)
+        except BaseException:
+            for layer in layers:  # layers the block reached hide its rows again
+                if layer.get_seq_length() > past:
+                    layer.show(past)
+            raise
+        for b, logits in enumerate(rows):
+            end = past + (b + 1) * n
+            if on_chunk is not None:
+                for layer in layers:
+                    layer.show(end)
+            self.tokens.extend(ids[b * n : (b + 1) * n])
+            self.last_logits = logits[0, -1].float()
             if on_chunk is not None:
                 on_chunk(self)
 
