@@ -29,7 +29,9 @@ restore cannot reach 0.8 of a 3-5 GB/s warm page-cache read.
 write (+ fsync) on the same thread (``save_over_hash_write``).
 ``requests``: S3 requests per save and per restore (counted with the client's
 ``before-send`` event hook, by HTTP method; lease renewals included) beside the ceiling's
-(one PUT / GET per object).
+(one PUT / GET per object). The timed save follows a lookup of the same tokens (a miss, not
+timed; ``requests.lookup``), as in every consumer; ``requests.save_without_lookup`` counts
+the same save once more into a fresh store with no lookup before it.
 ``goals``: every ratio with a goal (>= 0.8), the ceiling it is of, and whether it is met --
 the issue's raw ones and the warm / cold restore against read + both hashes;
 ``verify_bound_warm_gbps`` repeats that warm verification-bound ceiling (a page-cache read
@@ -312,11 +314,21 @@ def _measure(case: Case, eng: ArrayEngine, tokens: list[int], chunk_bytes: int, 
         store.workers = case.threads
         store.host_readers = 0  # threads, as every earlier run of this benchmark
         case.requests.take()
+        # every consumer (generate, the daemons, the vLLM connector) looks the prompt up
+        # before it computes and saves it: the save follows that lookup (a miss here; not
+        # timed), whose index reads its parent pick then need not repeat
+        assert store.find_deepest(tokens, eng.layout, eng.ids()) is None
+        requests["lookup"] = case.requests.take()
         t0 = time.perf_counter()
         report = timed_cpu("save", store.save, src)
         t["save"].append(time.perf_counter() - t0)
         phases["save"].append(report.phases)
         requests["save"] = case.requests.take()
+        if case.name == "s3" and len(t["save"]) == repeat:
+            # the same save with no lookup before it (untimed, once): its parent pick reads
+            # one index entry per 256-token node
+            case.new_store(chunk_bytes).save(src)
+            requests["save_without_lookup"] = case.requests.take()
         for writers in save_writers:  # the same save into a fresh store on another writer count
             other = case.new_store(chunk_bytes)
             other.workers, other.save_writers = case.threads, writers

@@ -27,7 +27,9 @@ from __future__ import annotations
 import copy
 import hashlib
 import os
+import threading
 import time
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -77,6 +79,62 @@ PREFIX_MARKER_BYTES = 32
 #: A parsed manifest of a 30-layer model (60 states) holds ~130 KB of Python objects: 128 of
 #: them (a 4,096-token prompt's chain is 17) are ~17 MB.
 MANIFESTS = ManifestCache(128)
+
+
+class IndexAbsence:
+    """Index entries a read of this process found absent, and when (``time.monotonic()``
+    at the start of that read), per (store location, node id): the parent pick of a save
+    that follows its lookup (every consumer looks up before it computes and saves) skips
+    the nodes the lookup just found empty, instead of reading each of them again (an
+    8,192-token save: 31 index GETs on S3).
+
+    A hint, never a verdict: it only decides which entries a save's parent pick reads, and
+    a parent found is still protected by the publisher's lease, read again and its chain
+    verified. A node committed since the read (by another process) is skipped for at most
+    ``ttl_s``: the save then builds on a shallower parent or writes a full cut, both as
+    correct as a delta on the deepest one. A commit of this process marks its node present
+    (``present``), and an absence read that started before such a mark is not recorded, so
+    this process's own saves (checkpoints one after another) see their parents."""
+
+    def __init__(self, ttl_s: float, size: int) -> None:
+        self.ttl_s = ttl_s
+        self.size = size
+        self._seen: OrderedDict[tuple[str, bytes], tuple[bool, float]] = OrderedDict()  # -> (absent, when)
+        self._lock = threading.Lock()
+
+    def _put(self, key: tuple[str, bytes], absent: bool, when: float) -> None:
+        self._seen[key] = (absent, when)
+        self._seen.move_to_end(key)
+        while len(self._seen) > self.size:
+            self._seen.popitem(last=False)
+
+    def absent(self, location: str, node_id: bytes, started: float) -> None:
+        """A read that started at ``started`` found no entry at ``node_id``."""
+        key = (location, node_id)
+        with self._lock:
+            cur = self._seen.get(key)
+            if cur is not None and not cur[0] and cur[1] >= started:
+                return  # committed here after that read began: the read is stale
+            self._put(key, True, started)
+
+    def present(self, location: str, node_id: bytes) -> None:
+        """This process committed (or found) an entry at ``node_id``."""
+        with self._lock:
+            self._put((location, node_id), False, time.monotonic())
+
+    def known_absent(self, location: str, node_id: bytes) -> bool:
+        """Whether a read of this process found the entry absent within ``ttl_s``."""
+        with self._lock:
+            cur = self._seen.get((location, node_id))
+        return cur is not None and cur[0] and time.monotonic() - cur[1] <= self.ttl_s
+
+
+#: seconds an index entry read as absent lets a save's parent pick skip it (IndexAbsence):
+#: the lookup, the prefill of the rest and the save of one request fit in it
+INDEX_ABSENT_TTL_S = 60.0
+#: index entries read as absent by this process that are remembered (node ids: a
+#: 32,768-token prompt has 128, so this covers the lookups of 128 such prompts)
+INDEX_ABSENT = IndexAbsence(INDEX_ABSENT_TTL_S, 16384)
 
 
 def chunk_name(content_id: bytes) -> str:
@@ -347,9 +405,14 @@ class PackStore:
         return chain
 
     def _read_index_versioned(self, node_id: bytes, env: StorageEnv | None = None) -> tuple[bytes, str] | None:
-        """``(manifest id, version)`` of an index entry, or None; malformed entries refuse."""
+        """``(manifest id, version)`` of an index entry, or None; malformed entries refuse.
+        On a network backend an absent entry is remembered for a while (:data:`INDEX_ABSENT`:
+        a save's parent pick skips what its lookup just read)."""
+        started = time.monotonic()
         got = (env or self.env).read_versioned(index_name(node_id), max_bytes=MAX_INDEX_ENTRY_BYTES)
         if got is None:
+            if self._remote_index:
+                INDEX_ABSENT.absent(self.path, node_id, started)
             return None
         text, version = got
         if len(text) > MAX_INDEX_ENTRY_BYTES:
@@ -361,6 +424,12 @@ class PackStore:
         if len(mid) != 32:
             raise StoreError("corrupt", f"index entry {node_id.hex()} is malformed")
         return mid, version
+
+    @property
+    def _remote_index(self) -> bool:
+        """Whether an index read is a round trip worth saving (a backend reading entries in
+        parallel batches, S3), not a local open (POSIX: the saves read afresh)."""
+        return self.env.io_parallelism > 1
 
     def _read_index(self, node_id: bytes, env: StorageEnv | None = None) -> bytes | None:
         got = self._read_index_versioned(node_id, env)

@@ -37,7 +37,7 @@ from ..format.objects import ChunkRef, Manifest, PayloadState
 from ..format.pack import encode_pack
 from .env import PUBLISH, GcSeen, Lease, ObjectMissing
 from .mapping import logits_key, logits_span, semantic_id
-from .packstore import MAX_INDEX_ENTRY_BYTES, PackStore, SaveReport, _Context, _engine_ids, chunk_name, index_name, logits_name, pack_name
+from .packstore import INDEX_ABSENT, MAX_INDEX_ENTRY_BYTES, PackStore, SaveReport, _Context, _engine_ids, chunk_name, index_name, logits_name, pack_name
 
 
 def save(
@@ -191,7 +191,14 @@ def _plan(store: PackStore, chain: PrefixChain, ctx: _Context, cut: int, max_dep
 
 
 def _pick_parent(store: PackStore, chain: PrefixChain, ctx: _Context, max_depth: int, lease: Lease) -> tuple[Manifest, bytes] | None:
+    """The deepest committed aligned strict prefix whose chain verifies, protected by the
+    publisher's lease and read again after that. Nodes this process read as absent moments
+    ago (the lookup before this save: ``packstore.INDEX_ABSENT``) are not read again: on S3
+    that was one GET per 256 tokens (31 of a 74-request 8,192-token save). Skipping an entry
+    committed meanwhile by another process costs only a shallower parent or a full cut."""
     nodes = [node for node in reversed(chain.nodes[:-1]) if node.reusable]
+    if store._remote_index:
+        nodes = [node for node in nodes if not INDEX_ABSENT.known_absent(store.path, node.node_id)]
     for node, mid in store._index_deepest_first(nodes):
         if isinstance(mid, StoreError):
             return None
@@ -299,6 +306,14 @@ def _commit_index(store: PackStore, node_id: bytes, mid: bytes) -> bytes:
     compare-and-swap. Returns the manifest id the entry holds afterwards."""
     name = index_name(node_id)
     data = mid.hex().encode() + b"\n"
+    try:
+        return _commit_index_cas(store, name, data, node_id, mid)
+    finally:
+        if store._remote_index:
+            INDEX_ABSENT.present(store.path, node_id)  # whatever won, the node holds an entry (or may)
+
+
+def _commit_index_cas(store: PackStore, name: str, data: bytes, node_id: bytes, mid: bytes) -> bytes:
     for _ in range(16):
         if store.env.write_if(name, data, None):
             return mid

@@ -38,7 +38,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from ..errors import StoreError
-from .env import GC, Buffer, GcSeen, Lease, ReadBuffer, ObjectInfo, ObjectMissing, StorageEnv
+from .env import GC, PUBLISH, Buffer, GcSeen, Lease, ReadBuffer, ObjectInfo, ObjectMissing, StorageEnv
 
 DEFAULT_GRACE_S = 900.0
 LEASE_TTL_S = 120.0
@@ -96,9 +96,14 @@ def load_credentials(path: str) -> dict[str, str]:
 
 
 class _S3Lease(Lease):
-    """A lease object, renewed every ttl/3 until released."""
+    """A lease object, renewed every ttl/3 until released.
 
-    def __init__(self, env: "S3Env", purpose: str, protects: Sequence[str], *, prefix: str = "leases/") -> None:
+    ``lazy``: a lease that protects nothing yet is not written until it does (its first
+    :meth:`protect`): gc reads leases only for what they protect, so an empty lease object
+    changes nothing for anyone, and a save that finds no parent wrote one PUT for nothing
+    (its cut is protected right before its commit, which writes the object then)."""
+
+    def __init__(self, env: "S3Env", purpose: str, protects: Sequence[str], *, prefix: str = "leases/", lazy: bool = False) -> None:
         self.env = env
         self.name = f"{prefix}{secrets.token_hex(12)}.json"
         self.purpose = purpose
@@ -107,6 +112,11 @@ class _S3Lease(Lease):
         self.failed: str | None = None
         self._stop = threading.Event()
         self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        if not (lazy and not self.protects):
+            self._start()
+
+    def _start(self) -> None:
         self._write()
         self._thread = threading.Thread(target=self._renew_loop, name="kvpack-s3-lease", daemon=True)
         self._thread.start()
@@ -128,14 +138,21 @@ class _S3Lease(Lease):
         new = [m for m in manifest_ids if m not in self.protects]
         if new:
             self.protects.extend(new)
-            self._write()
+            if self._thread is None:
+                self._start()  # a lazy lease's first write
+            else:
+                self._write()
 
     def check(self) -> None:
+        if self._thread is None:
+            return  # not written yet: it protects nothing gc could take
         if time.monotonic() - self.renewed > self.env.lease_ttl_s * 0.8:
             raise StoreError("locked", f"lease {self.name} could not be renewed in time ({self.failed or 'stalled'}): gc may have moved on")
 
     def release(self) -> None:
         self._stop.set()
+        if self._thread is None:
+            return  # never written
         self._thread.join(timeout=5)
         try:
             self.env.for_release().delete(self.name)
@@ -428,7 +445,9 @@ class S3Env(StorageEnv):
     # -- leases ------------------------------------------------------------------------------
     @contextmanager
     def lease(self, purpose: str, *, protects: Sequence[str] = ()) -> Iterator[Lease]:
-        held = _S3Lease(self, purpose, protects)
+        # a publisher's lease is written when it first protects something (its parent, or
+        # its cut right before the commit): one PUT fewer per save (docs/store.md)
+        held = _S3Lease(self, purpose, protects, lazy=purpose == PUBLISH)
         try:
             yield held
         finally:
