@@ -89,3 +89,14 @@ def flip(store: PackStore, name: str, offset: int, mask: int = 1) -> None:
     data = bytearray(store.env.read(name))
     data[offset % len(data)] ^= mask
     store.env.write(name, bytes(data))
+
+
+def files(root: str) -> dict[str, bytes]:
+    """Every file under a store directory (relative path: bytes): compared before and after
+    a refused operation to prove it changed nothing."""
+    out = {}
+    for directory, _dirs, found in os.walk(root):
+        for name in found:
+            with open(os.path.join(directory, name), "rb") as fh:
+                out[os.path.relpath(os.path.join(directory, name), root)] = fh.read()
+    return out

@@ -69,6 +69,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         q = ss.add_parser(name, help=helptext)
         q.add_argument("dir", metavar="STORE", type=not_a_file, help=STORE_HELP)
         _location_args(q)
+        if name != "ls":
+            _deadline_arg(q)
         if name == "gc":
             q.add_argument(
                 "--wait",
@@ -87,12 +89,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     q.add_argument("dir", metavar="STORE", type=not_a_file, help=STORE_HELP)
     q.add_argument("manifest_id", metavar="CUT", type=cut_id, help=CUT_HELP)
     _location_args(q)
+    _deadline_arg(q)
     q.set_defaults(func=cmd_forget)
 
     q = ss.add_parser("verify", help="check every committed cut (packs, index bindings; with --read-data every chunk byte)")
     q.add_argument("dir", metavar="STORE", type=not_a_file, help=STORE_HELP)
     q.add_argument("--read-data", action="store_true", help="read and verify every chunk byte (slow), not only the structure")
     _location_args(q)
+    _deadline_arg(q)
     q.set_defaults(func=cmd_verify)
 
     p = sub.add_parser("generate", help="generate with the bundled model, reusing the deepest stored prefix")
@@ -105,6 +109,24 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-save", action="store_true", help="do not save the prompt's cut to the store")
     _location_args(p)
     p.set_defaults(func=cmd_generate)
+
+
+def _deadline_arg(q: argparse.ArgumentParser) -> None:
+    q.add_argument(
+        "--deadline",
+        type=wait_seconds,
+        help="seconds the whole command may take; past them it stops with one io line and exit 1, "
+        "keeping what it had completed (default: KVPACK_MAINTENANCE_DEADLINE_S or 3600)",
+    )
+
+
+def _open_maintained(args, op: str):
+    """The store of verify/repair/forget/gc, opened under the command's whole deadline
+    (``--deadline``, else KVPACK_MAINTENANCE_DEADLINE_S or 3600 s), and that deadline."""
+    from ..store.location import store_kwargs
+    from ..store.maintenance import open_bounded
+
+    return open_bounded(args.dir, op, deadline_s=args.deadline, **store_kwargs(args))
 
 
 def _open(args):
@@ -219,16 +241,11 @@ def cmd_ls(args) -> int:
 
 def _resolve_cut(store, text: str) -> bytes:
     """A full manifest id, or a prefix naming exactly one committed cut."""
-    from ..errors import StoreError, UsageError
+    from ..store.maintenance import _unique_cut
 
     if len(text) == 64:
         return bytes.fromhex(text)
-    matches = sorted({r["manifest_id"] for r in store.ls() if str(r.get("manifest_id", "")).startswith(text)})
-    if not matches:
-        raise StoreError("miss", f"no committed cut has a manifest id starting with {text}")
-    if len(matches) > 1:
-        raise UsageError("usage", f"{text} is the prefix of {len(matches)} cuts ({', '.join(m[:16] for m in matches[:4])} ...): give more digits")
-    return bytes.fromhex(matches[0])
+    return _unique_cut(store.index_entries(), text)  # the cuts ls lists, without loading their chains
 
 
 def cmd_show(args) -> int:
@@ -249,7 +266,10 @@ def cmd_show(args) -> int:
 def cmd_verify(args) -> int:
     from ..errors import StoreError
 
-    report = _open(args).verify(read_data=args.read_data)
+    from ..store.maintenance import verify
+
+    store, deadline = _open_maintained(args, "verify")
+    report = verify(store, read_data=args.read_data, deadline=deadline)
     if args.json:
         print(json.dumps(report))
     else:
@@ -264,7 +284,10 @@ def cmd_verify(args) -> int:
 
 
 def cmd_repair(args) -> int:
-    report = _open(args).repair()
+    from ..store.maintenance import repair
+
+    store, deadline = _open_maintained(args, "repair")
+    report = repair(store, deadline=deadline)
     if args.json:
         print(json.dumps(report))
         return 0
@@ -275,8 +298,12 @@ def cmd_repair(args) -> int:
 
 
 def cmd_forget(args) -> int:
-    store = _open(args)
-    out = store.forget(_resolve_cut(store, args.manifest_id))
+    from ..store.maintenance import forget
+
+    # a prefix is resolved inside forget, under its deadline (one listing of the index)
+    text = args.manifest_id
+    store, deadline = _open_maintained(args, "forget")
+    out = forget(store, bytes.fromhex(text) if len(text) == 64 else text, deadline=deadline)
     print(json.dumps(out) if args.json else f"forgot cut {out['manifest_id']} ({out['index_entries_removed']} index entries removed)")
     return 0
 
@@ -297,12 +324,14 @@ wait_seconds.__name__ = "seconds"
 
 
 def cmd_gc(args) -> int:
-    store = _open(args)
+    from ..store.maintenance import gc
+
+    store, deadline = _open_maintained(args, "gc")
     env = store.env
     if hasattr(env, "gc_wait_s"):  # a directory store: gc takes the store lock exclusively
         env.on_wait = lambda line: print(f"kvpack: {line}", file=sys.stderr, flush=True)
         if args.wait is not None:
             env.gc_wait_s = args.wait
-    removed = store.gc()
+    removed = gc(store, deadline=deadline)
     print(json.dumps(removed) if args.json else "removed " + ", ".join(f"{v} {k}" for k, v in removed.items()))
     return 0

@@ -19,20 +19,103 @@ Nothing here decides *how* bytes are stored (the environment does) or restores a
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import secrets
 import struct
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
-from ..errors import FormatError, StoreError
+from ..errors import FormatError, StoreError, UsageError
 from ..format.chunk import ChunkHeader, decode_chunk, decode_chunk_one_pass
 from ..format.objects import ChunkRef, Manifest
-from .env import GC, RESTORE, Lease, ObjectInfo
-from .packstore import MAX_INDEX_ENTRY_BYTES, Hit, PackStore, chunk_name, index_name, logits_name, pack_name
+from .env import GC, RESTORE, Lease, ObjectInfo, seconds_setting
+from .packstore import DEFAULT_MAINTENANCE_DEADLINE_S, MAX_INDEX_ENTRY_BYTES, Hit, PackStore, chunk_name, index_name, logits_name, pack_name
 
 RECEIPT_FORMAT = "kvpack-quarantine"
+
+
+def _deadline_error(location: str, op: str, seconds: float, progress: str) -> StoreError:
+    return StoreError(
+        "io",
+        f"{location}: store {op} stopped at its deadline of {seconds:g} s (the storage answered too slowly or not at all; "
+        f"--deadline / KVPACK_MAINTENANCE_DEADLINE_S): {progress}",
+    )
+
+
+def open_bounded(location: str, op: str, *, deadline_s: float | None = None, **kw: Any) -> tuple[PackStore, float]:
+    """Open the store at ``location`` for the maintenance operation ``op`` (the CLI's verify,
+    repair, forget, gc) with its whole deadline already running: reading ``store.json`` is
+    bounded by it too. Returns the store and the deadline (``time.monotonic()``) to pass on.
+    ``kw``: ``root_key_file``, ``endpoint``, ``credentials_file``."""
+    from .location import make_env
+
+    seconds = deadline_s if deadline_s is not None else seconds_setting("KVPACK_MAINTENANCE_DEADLINE_S", DEFAULT_MAINTENANCE_DEADLINE_S)
+    at = time.monotonic() + seconds
+    env = make_env(location, endpoint=kw.get("endpoint"), credentials_file=kw.get("credentials_file"))
+    try:
+        store = PackStore.open(env.with_deadline(at), root_key_file=kw.get("root_key_file"))
+    except StoreError as exc:
+        env.close()
+        if exc.category == "io" and env.with_deadline(at) is not env and time.monotonic() >= at - 2.0:  # as _Deadline.margin
+            raise _deadline_error(env.location, op, seconds, "nothing was changed (the store could not be opened)") from None
+        raise
+    store.maintenance_deadline_s = seconds
+    return store, at
+
+
+class _Deadline:
+    """The whole deadline of one maintenance operation (``PackStore.maintenance_deadline_s``,
+    ``KVPACK_MAINTENANCE_DEADLINE_S``, the CLI's ``--deadline``). ``store`` is a view whose
+    environment bounds every request by it (S3: per-request timeouts from what is left,
+    refused at once past it; :meth:`StorageEnv.with_deadline`); :meth:`check` refuses between
+    steps on every backend (a POSIX call blocked in the kernel cannot be abandoned). Past it
+    the operation ends with one ``io`` line saying what it had done (``progress``) and that
+    nothing else was changed."""
+
+    def __init__(self, store: PackStore, op: str, deadline: float | None) -> None:
+        self.op = op
+        self.seconds = store.maintenance_deadline_s
+        self.at = time.monotonic() + self.seconds if deadline is None else deadline
+        env = store.env.with_deadline(self.at)
+        #: a failure this close to the deadline is the deadline's: no request fits any more
+        #: (S3: the shortest a deadline view gives one, a 1 s connect and a 1 s read)
+        self.margin = 0.0
+        if env is store.env:
+            self.store = store
+        else:
+            from .s3 import DEADLINE_CONNECT_S, DEADLINE_TIMEOUTS_S
+
+            self.margin = DEADLINE_CONNECT_S + DEADLINE_TIMEOUTS_S[-1]
+            self.store = copy.copy(store)
+            self.store.env = env
+        self.location = store.env.location
+        #: what the operation has done so far (the refusal's second half)
+        self.progress = "nothing was changed"
+
+    def passed(self) -> bool:
+        return time.monotonic() >= self.at
+
+    def error(self) -> StoreError:
+        return _deadline_error(self.location, self.op, self.seconds, self.progress)
+
+    def check(self) -> None:
+        if self.passed():
+            raise self.error()
+
+    @contextmanager
+    def running(self) -> Iterator[None]:
+        """Turn an ``io`` failure past the deadline (a request refused by the deadline view,
+        or one that timed out on its way there) into the one deadline line."""
+        try:
+            yield
+        except StoreError as exc:
+            if exc.category == "io" and time.monotonic() >= self.at - self.margin:
+                raise self.error() from None
+            raise
 
 
 def index_entries(store: PackStore, problems: list[str] | None = None) -> list[tuple[bytes, bytes]]:
@@ -195,7 +278,7 @@ def _valid_for_name(obj: bytes, ref: ChunkRef, args: dict) -> bool:
         return False
 
 
-def verify(store: PackStore, *, read_data: bool = True) -> dict:
+def verify(store: PackStore, *, read_data: bool = True, deadline: float | None = None) -> dict:
     """Check every indexed cut: packs and index bindings (always), and with ``read_data``
     every chunk and logits object byte by byte (restic-style ``check --read-data``).
 
@@ -203,13 +286,22 @@ def verify(store: PackStore, *, read_data: bool = True) -> dict:
     so it runs with read-only S3 credentials or on a read-only mount. Where gc may run beside
     it without waiting (S3, or a directory without a lock file yet), a cut whose index entry
     no longer names it once its check found problems was forgotten or replaced meanwhile:
-    counted in ``withdrawn``, not reported as a problem."""
+    counted in ``withdrawn``, not reported as a problem.
+
+    Ends by ``deadline`` (``time.monotonic()``; default: ``store.maintenance_deadline_s``
+    from now), else refuses ``io`` (it never changes anything)."""
     problems: list[str] = []
     cuts = withdrawn = 0
+    dl = _Deadline(store, "verify", deadline)
+    dl.progress = "verify changes nothing"
+    store = dl.store
     # read-only: no lease object, no lock file created, no receipt (env.check_lease)
-    with store.env.check_lease():
+    with dl.running(), store.env.check_lease():
         checker = _Checker(store, read_data)
-        for node, mid in index_entries(store, problems):
+        entries = index_entries(store, problems)
+        for node, mid in entries:
+            dl.check()
+            dl.progress = f"{cuts + withdrawn} of {len(entries)} cuts checked; verify changes nothing"
             found = checker.cut(node, mid)
             if found and not _still_indexed(store, node, mid):
                 withdrawn += 1  # forgotten or replaced while checked (gc may have taken its objects)
@@ -230,9 +322,13 @@ def _still_indexed(store: PackStore, node: bytes, mid: bytes) -> bool:
         return True
 
 
-def quarantine(store: PackStore, node: bytes, mid: bytes | None, problems: list[dict], *, by: str) -> dict:
+def quarantine(store: PackStore, node: bytes, mid: bytes | None, problems: list[dict], *, by: str, deferred: dict[str, str | None] | None = None) -> dict:
     """Take the cut at ``node`` out of the index (only if it still names ``mid``), with a
-    receipt; delete objects that are wrong for their own name. Returns the receipt."""
+    receipt; delete objects that are wrong for their own name. Returns the receipt.
+
+    ``deferred``: delete nothing here; add the objects to remove (name: digest of the damaged
+    bytes) to it instead, and leave ``objects_removed`` empty (``repair`` removes them once
+    every bad cut is out of the index, so no entry ever names a deleted object)."""
     receipt: dict[str, Any] = {
         "format": RECEIPT_FORMAT,
         "version": 1,
@@ -260,8 +356,14 @@ def quarantine(store: PackStore, node: bytes, mid: bytes | None, problems: list[
         if (named is None and mid is None) or (mid is not None and named == mid):
             receipt["index_entry_removed"] = store.env.delete(index_name(node), if_version=got[1])
     doomed = {p["object"]: p.get("digest") for p in problems if p.get("remove") and p.get("object")}
-    receipt["objects_removed"] = [name for name in receipt["objects_removed"] if _delete_if_unchanged(store, name, doomed[name])]
     receipt["receipt"] = receipt_name
+    if deferred is not None:
+        for name in receipt["objects_removed"]:
+            deferred.setdefault(name, doomed[name])
+        receipt["planned"] = receipt["objects_removed"]
+        receipt["objects_removed"] = []
+        return receipt
+    receipt["objects_removed"] = [name for name in receipt["objects_removed"] if _delete_if_unchanged(store, name, doomed[name])]
     return receipt
 
 
@@ -353,13 +455,27 @@ def _quarantine_ancestors(store: PackStore, mid: bytes, checker: _Checker) -> li
     return receipts
 
 
-def repair(store: PackStore) -> dict:
-    """Quarantine every cut that fails ``verify --read-data`` and drop malformed entries."""
+def repair(store: PackStore, *, deadline: float | None = None) -> dict:
+    """Quarantine every cut that fails ``verify --read-data`` and drop malformed entries.
+
+    In two passes: every bad cut is taken out of the index first (receipt, then the entry's
+    compare-and-swap removal), and only then are the objects that are wrong for their own
+    name deleted (each only while it still holds the damaged bytes). So wherever it stops --
+    its ``deadline`` (default: ``store.maintenance_deadline_s`` from now; past it one ``io``
+    line), a crash, a failing disk -- no index entry names an object it deleted, and a
+    ``verify`` finds no problem it did not find before: cuts not reached yet are still
+    indexed with the damage they had, a receipt may exist for a cut whose entry is still
+    there (``index_entry_removed`` false), and damaged objects not deleted yet are
+    unreferenced (gc removes them). Running it again finishes the job."""
     receipts = []
     checked = 0
-    with store.env.lease(RESTORE):
+    deferred: dict[str, str | None] = {}
+    dl = _Deadline(store, "repair", deadline)
+    store = dl.store
+    with dl.running(), store.env.lease(RESTORE):
         checker = _Checker(store, read_data=True)
         for info in list(store.env.list("index/")):
+            dl.check()
             name = info.name.rpartition("/")[2]
             try:
                 node = bytes.fromhex(name)
@@ -371,13 +487,32 @@ def repair(store: PackStore) -> dict:
                     _verdict_only(exc)  # EIO reading it says nothing about the entry
                 # a malformed entry (or a stray object under index/): drop it with a receipt
                 receipts.append(_drop_malformed(store, info, str(exc)))
-                continue
-            if mid is None:
-                continue
-            checked += 1
-            problems = checker.cut(node, mid)
-            if problems:
-                receipts.append(quarantine(store, node, mid, problems, by="repair"))
+            else:
+                if mid is None:
+                    continue
+                checked += 1
+                problems = checker.cut(node, mid)
+                if problems:
+                    receipts.append(quarantine(store, node, mid, problems, by="repair", deferred=deferred))
+            dl.progress = (
+                f"{checked} cuts checked, {len(receipts)} quarantined (receipts written, index entries removed; "
+                "damaged objects not deleted yet, unreferenced: gc removes them); nothing else was changed: run it again"
+            )
+        # every bad cut is out of the index: only now delete what is wrong for its own name
+        gone: set[str] = set()
+        for name, digest in sorted(deferred.items()):
+            dl.check()
+            if _delete_if_unchanged(store, name, digest):
+                gone.add(name)
+            dl.progress = (
+                f"{checked} cuts checked, {len(receipts)} quarantined, {len(gone)} of {len(deferred)} damaged objects deleted "
+                "(the rest are unreferenced: gc removes them); nothing else was changed"
+            )
+        for receipt in receipts:  # each deleted object is reported once, by the first cut naming it
+            receipt["objects_removed"] = [name for name in receipt.get("planned", ()) if name in gone]
+            gone.difference_update(receipt["objects_removed"])
+    for receipt in receipts:
+        receipt.pop("planned", None)
     return {"cuts_checked": checked, "quarantined": len(receipts), "receipts": receipts}
 
 
@@ -395,34 +530,71 @@ def _drop_malformed(store: PackStore, info: ObjectInfo, why: str) -> dict:
     return receipt
 
 
-def forget(store: PackStore, manifest_id: bytes) -> dict:
-    """Remove every index entry naming ``manifest_id`` (its objects become garbage)."""
+def forget(store: PackStore, manifest_id: bytes | str, *, deadline: float | None = None) -> dict:
+    """Remove every index entry naming ``manifest_id`` (its objects become garbage); a str is
+    a hex prefix that must name exactly one indexed cut. Each removal is one compare-and-swap;
+    nothing else is written or deleted, so a stop at its ``deadline`` (default:
+    ``store.maintenance_deadline_s`` from now; one ``io`` line) leaves some of those entries
+    removed and the rest in place, every object untouched."""
     removed = 0
-    for node, mid in index_entries(store):
-        if mid != manifest_id:
-            continue
-        got = store.env.read_versioned(index_name(node))
-        if got is not None and store.env.delete(index_name(node), if_version=got[1]):
-            removed += 1
+    dl = _Deadline(store, "forget", deadline)
+    store = dl.store
+    with dl.running():
+        named = index_entries(store)
+        if isinstance(manifest_id, str):
+            manifest_id = _unique_cut(named, manifest_id)
+        entries = [node for node, mid in named if mid == manifest_id]
+        for node in entries:
+            dl.check()
+            got = store.env.read_versioned(index_name(node))
+            if got is not None and store.env.delete(index_name(node), if_version=got[1]):
+                removed += 1
+            dl.progress = f"{removed} of the {len(entries)} index entries naming cut {manifest_id.hex()} removed, no object deleted: run it again"
     if not removed:
         raise StoreError("miss", f"no index entry names cut {manifest_id.hex()} (never stored, or forgotten or quarantined already)")
     return {"manifest_id": manifest_id.hex(), "index_entries_removed": removed}
 
 
-def gc(store: PackStore) -> dict:
+def _unique_cut(named: list[tuple[bytes, bytes]], text: str) -> bytes:
+    """The one indexed cut whose manifest id (hex) starts with ``text``."""
+    matches = sorted({mid.hex() for _node, mid in named if mid.hex().startswith(text)})
+    if not matches:
+        raise StoreError("miss", f"no committed cut has a manifest id starting with {text}")
+    if len(matches) > 1:
+        raise UsageError("usage", f"{text} is the prefix of {len(matches)} cuts ({', '.join(m[:16] for m in matches[:4])} ...): give more digits")
+    return bytes.fromhex(matches[0])
+
+
+def gc(store: PackStore, *, deadline: float | None = None) -> dict:
     """Remove what no indexed cut (nor a live lease) references. POSIX runs under the
     exclusive lock, so it never races a publication; S3 runs beside publishers, deletes only
     unreferenced objects older than the grace period, and holds a sweep lease from before it
     reads the leases until its last delete, which publishers wait for before they commit
-    (docs/store.md "gc and leases")."""
+    (docs/store.md "gc and leases").
+
+    Ends by ``deadline`` (default: ``store.maintenance_deadline_s`` from now; a directory
+    store's wait for its lock counts), else one ``io`` line: the unreferenced objects deleted
+    by then stay deleted, the rest stay for the next gc; nothing an index entry or a lease
+    references was touched (entries whose cut did not load may have been quarantined)."""
     removed = {"chunks": 0, "packs": 0, "logits": 0, "index": 0, "temp": 0, "bytes": 0, "quarantined": 0}
+    dl = _Deadline(store, "gc", deadline)
+    store = dl.store
     env = store.env
-    with env.lease(GC):
+
+    def progress() -> None:
+        n = removed["chunks"] + removed["packs"] + removed["logits"] + removed["temp"]
+        dl.progress = (
+            f"{n} unreferenced objects removed ({removed['bytes']} bytes) and {removed['quarantined']} unloadable index entries quarantined; "
+            "nothing an index entry or a lease references was touched, the rest waits for the next gc"
+        )
+
+    with dl.running(), env.lease(GC):
         started = env.now()
         live_packs: set[str] = set()
         live_chunks: set[str] = set()
         marked: set[tuple[bytes, bytes]] = set()
-        _mark(store, removed, marked, live_packs, live_chunks)
+        _mark(store, removed, marked, live_packs, live_chunks, dl)
+        progress()
         # listed before the sweep lease, so publishers that see it wait only for the deletes
         # (an object written after this listing is young: never a candidate)
         candidates = {prefix: _old_objects(env, prefix, started) for prefix, _suffix, _label in _SWEPT}
@@ -430,8 +602,12 @@ def gc(store: PackStore) -> dict:
             for mid_hex in env.protected():
                 try:
                     _add_chain(store, bytes.fromhex(mid_hex), live_packs, live_chunks)
-                except (ValueError, StoreError):
-                    continue  # a protected cut that does not load protects nothing
+                except (ValueError, StoreError) as exc:
+                    if isinstance(exc, StoreError):
+                        # a read that failed (io, the deadline) says nothing about the cut:
+                        # skipping it would let the sweep delete what a restore is reading
+                        _verdict_only(exc)
+                    continue  # a protected cut that does not load (damaged, gone) protects nothing
             if env.gc_grace_s:
                 # A delta committed after the listing above may build on a parent no entry seen
                 # there names (forgotten meanwhile), and its publisher may have released the lease
@@ -439,20 +615,21 @@ def gc(store: PackStore) -> dict:
                 # so neither rule keeps them. Entries written up to now are marked again here, after
                 # the leases were read. (A publisher that protected its cut only after the leases
                 # were read sees this sweep and waits for it: publish._commit_safely.)
-                _mark(store, removed, marked, live_packs, live_chunks)
+                _mark(store, removed, marked, live_packs, live_chunks, dl)
             for prefix, suffix, label in _SWEPT:
                 live = live_chunks if label == "chunks" else live_packs  # a cut's logits share its pack's id
-                _sweep(store, candidates[prefix], prefix, live, suffix, label, started, removed, sweep)
+                _sweep(store, candidates[prefix], prefix, live, suffix, label, started, removed, sweep, dl, progress)
             removed["temp"] += env.sweep_incomplete(started - env.gc_grace_s) if env.gc_grace_s else 0
     return removed
 
 
-def _mark(store: PackStore, removed: dict, marked: set[tuple[bytes, bytes]], live_packs: set[str], live_chunks: set[str]) -> None:
+def _mark(store: PackStore, removed: dict, marked: set[tuple[bytes, bytes]], live_packs: set[str], live_chunks: set[str], dl: _Deadline) -> None:
     """Add the chains of every index entry not in ``marked`` to the live sets (and to
     ``marked``); quarantine entries whose cut cannot be loaded."""
     for node, mid in index_entries(store):
         if (node, mid) in marked:
             continue
+        dl.check()
         marked.add((node, mid))
         try:
             _add_chain(store, mid, live_packs, live_chunks)
@@ -497,25 +674,44 @@ def _old_objects(env: Any, prefix: str, started: float) -> list[ObjectInfo]:
 
 
 def _sweep(
-    store: PackStore, candidates: list[ObjectInfo], prefix: str, live: set[str], suffix: str, label: str, started: float, removed: dict, sweep: Lease | None
+    store: PackStore,
+    candidates: list[ObjectInfo],
+    prefix: str,
+    live: set[str],
+    suffix: str,
+    label: str,
+    started: float,
+    removed: dict,
+    sweep: Lease | None,
+    dl: _Deadline,
+    progress: Any,
 ) -> None:
     env = store.env
     grace = env.gc_grace_s
-    for info in candidates:
-        name = info.name[len(prefix) :]
-        if name.startswith(".") and name.endswith(".tmp"):
-            kind = "temp"  # left by a crashed writer (POSIX)
-        elif name.endswith(suffix) and name[: -len(suffix)] not in live:
-            kind = label
-        else:
-            continue
-        if grace and not _still_old(env, info.name, started, grace):
-            continue  # rewritten since the listing: a publisher reused it (or it is gone)
-        if sweep is not None:
-            # a sweep whose lease lapsed may look finished (or dead) to a publisher, which
-            # then commits without waiting: stop before deleting anything more
-            sweep.check()
-        if env.delete(info.name, batch=True):
-            removed["bytes"] += info.size
-            removed[kind] += 1
+    try:
+        for info in candidates:
+            name = info.name[len(prefix) :]
+            if name.startswith(".") and name.endswith(".tmp"):
+                kind = "temp"  # left by a crashed writer (POSIX)
+            elif name.endswith(suffix) and name[: -len(suffix)] not in live:
+                kind = label
+            else:
+                continue
+            if grace and not _still_old(env, info.name, started, grace):
+                continue  # rewritten since the listing: a publisher reused it (or it is gone)
+            dl.check()
+            if sweep is not None:
+                # a sweep whose lease lapsed may look finished (or dead) to a publisher, which
+                # then commits without waiting: stop before deleting anything more
+                sweep.check()
+            if env.delete(info.name, batch=True):
+                removed["bytes"] += info.size
+                removed[kind] += 1
+                progress()
+    except BaseException:
+        try:
+            env.commit(prefix)  # what was unlinked stays unlinked (POSIX: the directory fsync), a stop included
+        except Exception:
+            pass  # the refusal in flight says more; an unlink not made durable is garbage again
+        raise
     env.commit(prefix)

@@ -67,6 +67,9 @@ MAX_INDEX_ENTRY_BYTES = 128
 DEFAULT_RESTORE_DEADLINE_S = 120.0
 #: a save's whole deadline, seconds (``KVPACK_SAVE_DEADLINE_S``; PackStore.save_deadline_s)
 DEFAULT_SAVE_DEADLINE_S = 600.0
+#: the whole deadline of ``verify``, ``repair``, ``forget`` and ``gc`` (seconds;
+#: ``KVPACK_MAINTENANCE_DEADLINE_S``, the CLI's ``--deadline``; PackStore.maintenance_deadline_s)
+DEFAULT_MAINTENANCE_DEADLINE_S = 3600.0
 #: unreadable index entries in a row after which a lookup takes the storage for down and
 #: stops (a miss): one bad entry still lets the shallower ones serve (find_deepest)
 UNREADABLE_RUN = 3
@@ -343,6 +346,7 @@ class PackStore:
         #: DEFAULT_RESTORE_DEADLINE_S and :meth:`StorageEnv.with_deadline`
         self.restore_deadline_s = seconds_setting("KVPACK_RESTORE_DEADLINE_S", DEFAULT_RESTORE_DEADLINE_S)
         self.save_deadline_s = seconds_setting("KVPACK_SAVE_DEADLINE_S", DEFAULT_SAVE_DEADLINE_S)
+        self.maintenance_deadline_s = seconds_setting("KVPACK_MAINTENANCE_DEADLINE_S", DEFAULT_MAINTENANCE_DEADLINE_S)
 
     @property
     def ops(self) -> FileOps:
