@@ -450,18 +450,45 @@ def test_trickling_peers_on_the_observability_port_cost_a_bounded_slot_until_a_w
         node.stop()
 
 
-class _ResetProxy:
-    """A loopback relay to the decode node's data port that resets (RST both ways) its
-    ``victim``-th connection once more than ``after`` client bytes went through."""
+class _Proxy:
+    """A loopback relay to ``target`` (the decode node's data port) that misbehaves on demand:
 
-    def __init__(self, target: int, victim: int, after: int) -> None:
-        self.target, self.victim, self.after = target, victim, after
+    * ``reset=(victim, after)``: resets (RST both ways) its ``victim``-th connection once more
+      than ``after`` client bytes went through it (``reset`` is True then);
+    * ``hold=victim``: accepts its ``victim``-th connection and holds it silent (a stalled
+      stripe: its TLS handshake never completes); ``accepted_while_held`` counts the
+      connections accepted after it;
+    * ``frozen``: once that event is set it stops reading and forwarding in both directions
+      and holds its sockets open -- a decode node whose process froze (SIGSTOP) or whose
+      network black-holes, as the producer sees it: no byte, no close, no reset;
+      ``freeze_after``: it sets ``frozen`` itself once that many client bytes went through.
+    """
+
+    def __init__(
+        self,
+        target: int,
+        *,
+        reset: Optional[tuple[int, int]] = None,
+        hold: Optional[int] = None,
+        frozen: Optional[threading.Event] = None,
+        freeze_after: Optional[int] = None,
+    ) -> None:
+        self.target = target
+        self.victim, self.after = reset if reset is not None else (-1, 0)
+        self.hold, self.frozen, self.freeze_after = hold, frozen, freeze_after
         self.sock = socket.socket()
+        if frozen is not None:
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8192)  # a frozen peer's window fills fast
         self.sock.bind(("127.0.0.1", 0))
         self.sock.listen(16)
         self.port = self.sock.getsockname()[1]
         self.accepted = 0
         self.reset = False
+        self.up = 0
+        self.held: list[socket.socket] = []
+        self.accepted_while_held = 0
+        self.closing = threading.Event()
+        self._socks: list[socket.socket] = []
         self._threads = [threading.Thread(target=self._accept, daemon=True)]
         self._threads[0].start()
 
@@ -472,7 +499,13 @@ class _ResetProxy:
             except OSError:
                 return
             index, self.accepted = self.accepted, self.accepted + 1
+            if self.held:
+                self.accepted_while_held += 1
+            if index == self.hold:
+                self.held.append(client)
+                continue
             server = socket.create_connection(("127.0.0.1", self.target))
+            self._socks += [client, server]
             t = threading.Thread(target=self._relay, args=(client, server, index), daemon=True)
             t.start()
             self._threads.append(t)
@@ -482,10 +515,13 @@ class _ResetProxy:
 
         up = 0
         try:
-            while True:
-                ready, _, _ = select.select([client, server], [], [], 0.5)
+            while not self.closing.is_set():
+                if self.frozen is not None and self.frozen.is_set():
+                    time.sleep(0.05)
+                    continue
+                ready, _, _ = select.select([client, server], [], [], 0.05)
                 for s in ready:
-                    data = s.recv(1 << 16)
+                    data = s.recv(1 << 14)
                     if not data:
                         return
                     if s is server:
@@ -498,18 +534,24 @@ class _ResetProxy:
                         self.reset = True
                         return
                     server.sendall(data)
+                    self.up += len(data)
+                    if self.freeze_after is not None and self.frozen is not None and self.up >= self.freeze_after:
+                        self.frozen.set()
         except OSError:
             return
         finally:
-            client.close()
+            client.close()  # after SO_LINGER 0: a reset
             server.close()
 
     def close(self) -> None:
+        self.closing.set()
         try:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
         self.sock.close()
+        for s in [*self.held, *self._socks]:
+            s.close()
         for t in self._threads:
             t.join(timeout=2)
 
@@ -527,7 +569,7 @@ def test_a_stripe_connection_reset_mid_transfer_again_and_again_leaks_nothing(pa
     node.generate(_prompt(1, 300), 2)
     before = [(list(s.session.tokens), s.session.cache_digest()) for s in node.slots.slots]
     for attempt, (victim, after) in enumerate([(1, 100), (2, 200_000), (3, 200_000)]):
-        proxy = _ResetProxy(node.data_port, victim, after)
+        proxy = _Proxy(node.data_port, reset=(victim, after))
         node._advertised_port = proxy.port
         try:
             with pytest.raises(KvpackError):
@@ -546,40 +588,6 @@ def test_a_stripe_connection_reset_mid_transfer_again_and_again_leaks_nothing(pa
     assert res["transfer"]["stripes"] == 4
 
 
-class _HoldProxy(_ResetProxy):
-    """A relay to the decode node's data port that relays every connection but its
-    ``victim``-th, which it accepts and holds silent (a stalled stripe: its TLS handshake
-    never completes). ``accepted_while_held``: connections accepted after the victim."""
-
-    def __init__(self, target: int, victim: int) -> None:
-        self.held: list[socket.socket] = []
-        self.accepted_while_held = 0
-        self.hold = victim
-        super().__init__(target, victim=-1, after=0)
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.sock.accept()
-            except OSError:
-                return
-            index, self.accepted = self.accepted, self.accepted + 1
-            if self.held:
-                self.accepted_while_held += 1
-            if index == self.hold:
-                self.held.append(client)
-                continue
-            server = socket.create_connection(("127.0.0.1", self.target))
-            t = threading.Thread(target=self._relay, args=(client, server, index), daemon=True)
-            t.start()
-            self._threads.append(t)
-
-    def close(self) -> None:
-        for c in self.held:
-            c.close()
-        super().close()
-
-
 def test_stripes_connect_concurrently_and_one_stalled_stripe_aborts_all(pair):
     """A striped job connects its stripes at once under one deadline. The first stripe
     connection is held silent (its handshake never completes): the other three connect meanwhile (they
@@ -593,7 +601,7 @@ def test_stripes_connect_concurrently_and_one_stalled_stripe_aborts_all(pair):
     node = p.receiver
     node.generate(_prompt(1, 300), 2)
     before = [(list(s.session.tokens), s.session.cache_digest()) for s in node.slots.slots]
-    proxy = _HoldProxy(node.data_port, victim=0)
+    proxy = _Proxy(node.data_port, hold=0)
     node._advertised_port = proxy.port
     try:
         with pytest.raises(KvpackError) as info:
@@ -635,7 +643,7 @@ def test_a_client_leaving_while_stripes_connect_ends_the_job_at_once(pair):
     p = pair(decode_slots=1, prefill_slots=1)
     node = p.receiver
     before = [(list(s.session.tokens), s.session.cache_digest()) for s in node.slots.slots]
-    proxy = _HoldProxy(node.data_port, victim=0)
+    proxy = _Proxy(node.data_port, hold=0)
     node._advertised_port = proxy.port
     try:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -655,67 +663,6 @@ def test_a_client_leaving_while_stripes_connect_ends_the_job_at_once(pair):
     assert node.generate(_prompt(9, 2000), 2, stripes=4)["transfer"]["stripes"] == 4
 
 
-class _FreezeProxy:
-    """A loopback relay that, once ``frozen`` is set, stops reading and forwarding in both
-    directions and holds its sockets open: a decode node whose process froze (SIGSTOP) or
-    whose network black-holes, as the producer sees it -- no byte, no close, no reset.
-    ``freeze_after``: set ``frozen`` once that many client bytes went through."""
-
-    def __init__(self, target: int, frozen: threading.Event, freeze_after: Optional[int] = None) -> None:
-        self.target, self.frozen, self.freeze_after = target, frozen, freeze_after
-        self.sock = socket.socket()
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8192)  # a frozen peer's window fills fast
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(16)
-        self.port = self.sock.getsockname()[1]
-        self.up = 0
-        self.closing = threading.Event()
-        self._socks: list[socket.socket] = []
-        self._threads = [threading.Thread(target=self._accept, daemon=True)]
-        self._threads[0].start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.sock.accept()
-            except OSError:
-                return
-            server = socket.create_connection(("127.0.0.1", self.target))
-            self._socks += [client, server]
-            t = threading.Thread(target=self._relay, args=(client, server), daemon=True)
-            t.start()
-            self._threads.append(t)
-
-    def _relay(self, client: socket.socket, server: socket.socket) -> None:
-        import select
-
-        try:
-            while not self.closing.is_set():
-                if self.frozen.is_set():
-                    time.sleep(0.05)
-                    continue
-                ready, _, _ = select.select([client, server], [], [], 0.05)
-                for s in ready:
-                    data = s.recv(1 << 14)
-                    if not data:
-                        return
-                    (server if s is client else client).sendall(data)
-                    if s is client:
-                        self.up += len(data)
-                        if self.freeze_after is not None and self.up >= self.freeze_after:
-                            self.frozen.set()
-        except OSError:
-            return
-
-    def close(self) -> None:
-        self.closing.set()
-        self.sock.close()
-        for s in self._socks:
-            s.close()
-        for t in self._threads:
-            t.join(timeout=2)
-
-
 def test_a_frozen_receiver_holds_a_producer_job_only_until_the_requests_deadline(pair):
     """The decode node freezes mid-transfer (its data and control connections go silent, no
     close). The producer's job ends at the request's deadline (C.14 deadline_unix_ms, here
@@ -730,8 +677,8 @@ def test_a_frozen_receiver_holds_a_producer_job_only_until_the_requests_deadline
     node = p.receiver
     link = node.links[0]
     frozen = threading.Event()
-    ctl_proxy = _FreezeProxy(p.producer.control_port, frozen)
-    data_proxy = _FreezeProxy(node.data_port, frozen, freeze_after=64 << 10)
+    ctl_proxy = _Proxy(p.producer.control_port, frozen=frozen)
+    data_proxy = _Proxy(node.data_port, frozen=frozen, freeze_after=64 << 10)
     direct_port = link.control.port
     link.control.port = ctl_proxy.port
     node._advertised_port = data_proxy.port
