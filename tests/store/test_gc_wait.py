@@ -120,3 +120,60 @@ def test_a_gc_stuck_waiting_delays_new_restores_by_its_yield_at_most(tmp_path):
         nxt = eng.new_session()
         nxt.prefill(TOKENS[:512], chunk_size=256)
         assert store.save(nxt).cut == 512
+
+
+@pytest.mark.timeout(60)
+def test_a_relay_of_restores_that_went_ahead_does_not_starve_a_gc(tmp_path):
+    """A long restore holds the lock when gc starts and outlasts the gc's turn (``gc_yield_s``
+    0.5 s here); meanwhile a restore starts every 0.1 s and holds the lock 0.3 s, so once the
+    turn has ended the lock is never free. Before, each restore yielded 0.5 s on its own and
+    then went ahead, so they overlapped for ever and gc refused after its whole wait (4 s);
+    now the turn is counted from the gc's start, and once the long restore has gone the gc
+    opens one more turn: the restores that went ahead finish, new ones queue, and gc runs
+    while the relay still goes on."""
+    store = _store_with_garbage(tmp_path)
+    env = store.env
+    env.gc_yield_s = 0.5
+    env.lock_timeout_s = 20.0  # the relay's own waits (behind the gc)
+    env.gc_wait_s = 4.0
+    stop = threading.Event()
+    holding = threading.Event()
+    errors: list[BaseException] = []
+    started: list[threading.Thread] = []
+
+    def long_restore() -> None:
+        with env.lease(RESTORE):
+            holding.set()
+            time.sleep(1.5)
+
+    def short_restore() -> None:
+        try:
+            with env.lease(RESTORE):
+                time.sleep(0.3)
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            errors.append(exc)
+
+    def relay() -> None:
+        while not stop.is_set():
+            t = threading.Thread(target=short_restore, daemon=True)
+            t.start()
+            started.append(t)
+            time.sleep(0.1)
+
+    slow = threading.Thread(target=long_restore, daemon=True)
+    slow.start()
+    assert holding.wait(10)
+    relaying = threading.Thread(target=relay, daemon=True)
+    relaying.start()
+    try:
+        removed = store.gc()
+        assert removed["packs"] >= 1
+        assert not stop.is_set() and relaying.is_alive()  # gc ran while the relay went on
+    finally:
+        stop.set()
+        relaying.join(timeout=10)
+        slow.join(timeout=10)
+        for t in list(started):
+            t.join(timeout=10)
+    assert not errors, errors
+    assert store.verify(read_data=True)["ok"]

@@ -40,10 +40,17 @@ DEFAULT_GC_WAIT_S = 600.0
 GC_PENDING = "gc.pending"
 #: seconds between a waiting gc's progress lines
 GC_WAIT_REPORT_S = 10.0
-#: the longest a restore or publisher waits behind a pending gc before it takes the lock
-#: shared anyway: a gc stuck behind one hung restore must not stall every other restore for
-#: its whole wait (seconds; PosixEnv.gc_yield_s)
-GC_YIELD_S = 5.0
+#: how long restores and publishers queue behind a pending gc, counted from when the gc
+#: began waiting (the mtime of GC_PENDING, which the gc stamps) -- not from each one's own
+#: arrival: past it they take the lock shared without waiting, so a gc stuck behind one hung
+#: holder stalls the others once, by at most this, never by its whole wait (seconds;
+#: PosixEnv.gc_yield_s). Restores and saves that each last less than this cannot starve a gc.
+GC_YIELD_S = 30.0
+#: those that went ahead of a pending gc hold this file shared while they hold the lock; when
+#: every holder of the lock is one of them (the holder the gc was stuck behind has gone), the
+#: gc stamps GC_PENDING again and they queue once more, so a gc is not starved by a relay of
+#: holders that each went ahead of it (see docs/store.md "gc and leases")
+GC_BYPASS = "gc.bypass"
 
 log = logging.getLogger("kvpack.store")
 
@@ -68,6 +75,21 @@ def lock_holders(path: str) -> list[int]:
             if pid not in pids:
                 pids.append(pid)
     return pids
+
+
+def flock_count(path: str) -> int | None:
+    """How many flocks are held on ``path`` (every holder and every shared lease counts once;
+    waiters do not), from /proc/locks; None where that is unreadable."""
+    try:
+        st = os.stat(path)
+        with open("/proc/locks", encoding="ascii", errors="replace") as fh:
+            lines = fh.read(1 << 20).splitlines()
+    except FileNotFoundError:
+        return 0 if os.path.exists("/proc/locks") else None
+    except OSError:
+        return None
+    want = f":{st.st_ino}"
+    return sum(1 for line in lines if "->" not in line.split() and len(line.split()) >= 6 and line.split()[1] == "FLOCK" and line.split()[5].endswith(want))
 
 
 def _holders_text(path: str) -> str:
@@ -261,8 +283,8 @@ class PosixEnv(StorageEnv):
                 yield _FlockLease()
             return
         depth = getattr(self._nested, "depth", 0)
-        if not depth:  # a lease nested in one this thread holds never waits for a gc: that gc waits for us
-            self._wait_for_pending_gc()
+        # a lease nested in one this thread holds never waits for a gc: that gc waits for us
+        went_ahead = not depth and self._wait_for_pending_gc()
         lock = FileLock(self._p("lock"), shared=True)  # gc alone, everyone else shares
         deadline = time.monotonic() + self.lock_timeout_s
         while True:
@@ -273,32 +295,47 @@ class PosixEnv(StorageEnv):
                 if time.monotonic() >= deadline:
                     raise StoreError("locked", f"{self.root}: another process held the store lock for {self.lock_timeout_s:.0f} s") from None
                 time.sleep(0.005)
+        bypass = FileLock(self._p(GC_BYPASS), shared=True)
+        if went_ahead:
+            try:  # after the lock, released before it: never more of these than such holders
+                bypass.acquire()
+            except (OSError, LockHeld):
+                pass  # the gc then does not stamp again: it waits as before
         self._nested.depth = depth + 1
         try:
             yield _FlockLease()
         finally:
             self._nested.depth = depth
+            bypass.release()
             lock.release()  # closing releases the flock
 
-    def _wait_for_pending_gc(self) -> None:
-        """Wait (up to ``gc_yield_s``) while a gc holds GC_PENDING: a shared flock taken and
-        dropped at once. Before the store lock, so a gc waiting for the restores in flight is
-        not overtaken by new ones; past ``gc_yield_s`` the lease goes ahead (the gc is stuck
-        behind something else: a hung holder must not stall every restore). A store without
-        the file (no gc ever waited, or a read-only store) has nothing pending."""
+    def _wait_for_pending_gc(self) -> bool:
+        """Wait while a gc holds GC_PENDING (a shared flock taken and dropped at once) and its
+        turn is open: until ``gc_yield_s`` after the gc stamped the file (its mtime), and never
+        longer than that from now. Before the store lock, so a gc waiting for the holders in
+        flight is not overtaken by new ones; past its turn this lease goes ahead at once (the gc
+        is stuck behind something else: a hung holder must not stall every restore) and says
+        so (True: hold GC_BYPASS). A store without the file (no gc ever waited, or a read-only
+        store) has nothing pending."""
         try:
             fd = os.open(self._p(GC_PENDING), os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
         except OSError:
-            return
+            return False
         try:
             deadline = time.monotonic() + min(self.gc_yield_s, self.lock_timeout_s)
-            while time.monotonic() < deadline:
+            while True:
                 try:
                     fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-                    return
+                    return False
                 except OSError as exc:
                     if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
-                        return  # a pending marker we cannot lock stops nobody
+                        return False  # a pending marker we cannot lock stops nobody
+                try:
+                    turn_left = os.fstat(fd).st_mtime + self.gc_yield_s - time.time()
+                except OSError:
+                    turn_left = 0.0
+                if turn_left <= 0 or time.monotonic() >= deadline:
+                    return True
                 time.sleep(0.005)
         finally:
             os.close(fd)
@@ -316,14 +353,31 @@ class PosixEnv(StorageEnv):
         lock = FileLock(self._p("lock"))
         waited_since: float | None = None
         next_report = 0.0
+        turn = 0.0  # when this gc last stamped GC_PENDING (monotonic)
+        turn_open = True
+        stuck_on_others = False  # when the turn ended, a holder that had not gone ahead held the lock
         try:
             for held in (pending, lock):
                 while True:
                     try:
                         held.acquire()
+                        if held is pending:
+                            self._stamp(pending)
+                            turn = time.monotonic()
                         break
                     except LockHeld:
                         now = time.monotonic()
+                        if held is lock and now - turn >= self.gc_yield_s:
+                            others = self._others_holding()
+                            if turn_open:  # the turn just ended: new leases go ahead now
+                                turn_open = False
+                                stuck_on_others = bool(others)
+                            elif stuck_on_others and others == 0:
+                                # the holders this gc was stuck behind have gone and every
+                                # holder now went ahead of it: one more turn, they finish
+                                # (each is shorter than a turn, or it is stuck once more)
+                                self._stamp(pending)
+                                turn, turn_open = now, True
                         what = "another gc" if held is pending else "restores, saves or checks"
                         if now >= deadline:
                             raise StoreError(
@@ -336,7 +390,7 @@ class PosixEnv(StorageEnv):
                         if now >= next_report:
                             self._say(
                                 f"gc: waiting for the store lock of {self.root} ({what}, {_holders_text(held.path)}; "
-                                f"{now - waited_since:.0f} s of at most {self.gc_wait_s:g} s; new restores and saves wait behind this gc)"
+                                f"{now - waited_since:.0f} s of at most {self.gc_wait_s:g} s; new restores and saves wait behind this gc during its turn)"
                             )
                             next_report = now + GC_WAIT_REPORT_S
                         time.sleep(0.005)
@@ -344,6 +398,20 @@ class PosixEnv(StorageEnv):
         finally:
             lock.release()
             pending.release()
+
+    def _stamp(self, pending: FileLock) -> None:
+        """Open the restores' turn behind this gc: GC_PENDING's mtime is now."""
+        try:
+            os.utime(pending.fd)
+        except OSError:
+            pass  # then leases wait for their own gc_yield_s at most, as the mtime allows
+
+    def _others_holding(self) -> int | None:
+        """How many holders of the store lock did not go ahead of this gc (hold no
+        GC_BYPASS): those it was waiting for when its turn ended. None: /proc/locks unreadable
+        (then no second turn)."""
+        held, ahead = flock_count(self._p("lock")), flock_count(self._p(GC_BYPASS))
+        return None if held is None or ahead is None else max(0, held - ahead)
 
     @contextmanager
     def check_lease(self) -> Iterator[None]:
@@ -387,7 +455,7 @@ class PosixEnv(StorageEnv):
 
     def destroy_empty(self) -> None:
         """Remove the empty subdirectories and the lock file of a refused ``init``."""
-        for name in ("lock", GC_PENDING):
+        for name in ("lock", GC_PENDING, GC_BYPASS):
             try:
                 os.unlink(os.path.join(self.root, name))
             except FileNotFoundError:
