@@ -106,6 +106,10 @@ class TransformersEngine:
     logits row bit for bit; if anything differs it keeps one chunk at a time
     (``block_reason`` says why). So the cut bits, and the identity, are the grid's. ``None``
     (default): ``$KVPACK_PREFILL_BLOCK_CHUNKS`` when set, else 4 on CUDA and 1 elsewhere.
+    ``cuda_blas``: the GEMM library of every forward on CUDA, process-wide
+    (``torch.backends.cuda.preferred_blas_library``), put back before each forward and
+    recorded in the engine ABI: ``"auto"`` (default) is ``cublaslt``, whose kernels compute a
+    row alike at any row count on the H200 (blocks need that); ``cublas`` is torch's default.
     """
 
     def __init__(
@@ -120,6 +124,7 @@ class TransformersEngine:
         prefill_attention: str = "auto",
         prefill_forward: str = "auto",
         prefill_block_chunks: int | None = None,
+        cuda_blas: str = "auto",
     ) -> None:
         torch = _torch()
         if sys.byteorder != "little":
@@ -140,6 +145,7 @@ class TransformersEngine:
         self.device = torch.device(device)
         self.model.to(self.device)
         self.model.eval()
+        self.cuda_blas = self._choose_cuda_blas(cuda_blas)
         self.config = self.model.config
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.prefill_attention = self._choose_prefill_attention(prefill_attention)
@@ -150,6 +156,7 @@ class TransformersEngine:
         self._block_checked = self.block_chunks <= 1
         self._block_lock = threading.Lock()
         self.threads = torch.get_num_threads()
+        self.assert_process_settings()
         self.max_context = int(max_context or getattr(self.config, "max_position_embeddings", 0) or 0)
         if self.max_context <= 0:
             raise EngineError("model", "model config has no max_position_embeddings; pass max_context")
@@ -196,6 +203,30 @@ class TransformersEngine:
         if wanted != "model" and reason is not None:
             raise EngineError("unsupported", f"prefill_forward {wanted}: {reason}")
         return wanted
+
+    def _choose_cuda_blas(self, wanted: str) -> str | None:
+        """The GEMM library every forward of a CUDA engine runs on (``None`` off CUDA)."""
+        if wanted not in ("auto", "cublaslt", "cublas"):
+            raise EngineError("unsupported", f"cuda_blas {wanted!r}: auto, cublaslt or cublas")
+        if self.device.type != "cuda":
+            return None
+        # cuBLASLt computes a row of a projection the same way at 256 and at 1,024+ rows on
+        # the H200 for every shape of the 8B model; cuBLAS does not for k/v (f16) and down
+        # (benchmarks/diag_block_rows.py). Block prefill needs the former.
+        return "cublaslt" if wanted == "auto" else wanted
+
+    def assert_process_settings(self) -> None:
+        """Put back the process-wide settings this engine's identity records (torch's thread
+        count; on CUDA the GEMM library) before a forward: another engine or library in the
+        process may have changed them, and computing under an identity that is no longer
+        true would break bit-exactness silently."""
+        torch = _torch()
+        if torch.get_num_threads() != self.threads:
+            torch.set_num_threads(self.threads)
+        if self.cuda_blas is not None and str(torch.backends.cuda.preferred_blas_library()).rsplit(".", 1)[-1].lower() != self.cuda_blas:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                torch.backends.cuda.preferred_blas_library(self.cuda_blas)
 
     def _choose_block_chunks(self, wanted: int | None) -> int:
         if wanted is None:
@@ -406,6 +437,7 @@ class TransformersEngine:
 
             abi["prefill_forward"] = GRAPHS_RECORD
         if self.device.type == "cuda":
+            abi["cuda_blas"] = self.cuda_blas
             abi["cuda"] = str(torch.version.cuda)
             abi["device_name"] = torch.cuda.get_device_name(self.device)
         return abi
@@ -509,11 +541,7 @@ class EngineSession:
         plan) runs them through the lean forward instead of the model's (the same bits).
         ``device_ids``: ``ids`` already on the device as a ``(1, n)`` long tensor."""
         torch = _torch()
-        if torch.get_num_threads() != self.engine.threads:
-            # The count is process-wide and part of this engine's identity; another engine
-            # (or library) may have changed it since. Restore it rather than compute under
-            # an identity that is no longer true.
-            torch.set_num_threads(self.engine.threads)
+        self.engine.assert_process_settings()
         x = device_ids if device_ids is not None else torch.tensor([ids], dtype=torch.long, device=self.engine.device)
         with torch.inference_mode():
             if lean is not None and self.engine.prefill_forward == "graphs" and len(ids) == self.engine.prefill_chunk_tokens:
@@ -590,8 +618,7 @@ class EngineSession:
         with ``on_chunk`` after each, as the grid leaves them (the block's later rows are
         written but not yet the layers' rows)."""
         torch = _torch()
-        if torch.get_num_threads() != self.engine.threads:
-            torch.set_num_threads(self.engine.threads)
+        self.engine.assert_process_settings()
         n = self.engine.prefill_chunk_tokens
         past = self.position
         layers = self.cache.layers
