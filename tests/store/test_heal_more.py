@@ -554,3 +554,47 @@ print("ok")
     r = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=300, preexec_fn=limit)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
     assert not os.path.exists(store.index_path(top.node_id))
+
+
+def test_a_heal_crashing_at_any_step_leaves_no_entry_naming_an_object_it_deleted(tmp_path):
+    """``lookup_restore`` meets cut 768 with a damaged chunk of 512's delta (shared by both
+    chains): it quarantines 768, then 512 as its damaged parent, and deletes the chunk. A
+    simulated power loss (FaultyOps) before each durable step of that healing: afterwards no
+    index entry names an object the heal deleted (verify reports no missing chunk, only the
+    damage there was), and the next lookup finishes the job (256 restores). Before, the
+    chunk was deleted right after 768's entry and before 512's quarantine, so a crash there
+    left 512 indexed naming a deleted chunk."""
+    import shutil
+
+    from kvpack.store.packstore import chunk_name
+    from kvpack.testing.faults import FaultyOps, SimulatedCrash
+
+    base = PosixBackend().new(str(tmp_path), "base")
+    eng = _engine()
+    session_with(eng, TOKENS[:768], base)
+    chain = base.load_chain(base.find_deepest(TOKENS[:512], eng.layout, eng.ids()).manifest_id)
+    below = {ref.content_id for m in chain[1:] for _k, _s, ref in m.chunk_refs()}
+    # a chunk of layer 0 (full span: every restore reads it; a windowed layer's chunk outside
+    # the window would not be read, and the cut would restore)
+    own = sorted(ref.content_id for key, _s, ref in chain[0].chunk_refs() if str(key).startswith("0/") and ref.content_id not in below)
+    flip(base, chunk_name(own[0]), -1)
+    before = base.verify(read_data=True)
+    assert not before["ok"] and not any("missing" in p for p in before["problems"])
+    crashes = 0
+    for step in range(1, 200):
+        path = str(tmp_path / f"crash{step}")
+        shutil.copytree(base.path, path)
+        try:
+            found = PackStore.open(path, ops=FaultyOps(crash_at=step)).lookup_restore(TOKENS[:768], eng.new_session())
+        except SimulatedCrash:
+            crashes += 1
+        else:
+            assert found.hit is not None and found.hit.cut == 256 and len(found.quarantined) == 2, (step, found)
+            break  # the healing ended before this step: every crash point was tried
+        after = PackStore.open(path).verify(read_data=True)
+        assert not any("missing" in p for p in after["problems"]), (step, after["problems"])
+        assert set(after["problems"]) <= set(before["problems"]), step
+        live = eng.new_session()
+        assert PackStore.open(path).lookup_restore(TOKENS[:768], live).hit.cut == 256 and live.position == 256
+        shutil.rmtree(path)
+    assert crashes >= 6, crashes  # two receipts, two entry removals, the chunk's deletion

@@ -392,9 +392,32 @@ def quarantine_after_refusal(store: PackStore, hit: Hit, exc: StoreError) -> dic
         checker = _Checker(store, read_data=True)
         problems = checker.cut(hit.node_id, hit.manifest_id)
     refusal = {"object": None, "problem": f"restore refused {exc.category}: {exc.message}", "remove": False}
-    receipt = quarantine(store, hit.node_id, hit.manifest_id, [refusal, *problems], by="restore")
+    # the damaged objects go last, once the ancestors sharing them are out of the index too:
+    # no entry is ever left naming an object this deleted (a crash in between included)
+    deferred: dict[str, str | None] = {}
+    receipt = quarantine(store, hit.node_id, hit.manifest_id, [refusal, *problems], by="restore", deferred=deferred)
     receipt["ancestors"] = _quarantine_ancestors(store, hit.manifest_id, checker)
+    _remove_deferred(store, [receipt], deferred)
     return receipt
+
+
+def _remove_deferred(store: PackStore, receipts: list[dict], deferred: dict[str, str | None], dl: "_Deadline | None" = None, done: str = "") -> None:
+    """Delete the objects :func:`quarantine` deferred (each only while it still holds the
+    damaged bytes), once every cut naming them is out of the index; each deleted object is
+    reported in ``objects_removed`` of the first receipt that planned it."""
+    gone: set[str] = set()
+    for name, digest in sorted(deferred.items()):
+        if dl is not None:
+            dl.check()
+        if _delete_if_unchanged(store, name, digest):
+            gone.add(name)
+        if dl is not None:
+            dl.progress = (
+                f"{done}, {len(gone)} of {len(deferred)} damaged objects deleted (the rest are unreferenced: gc removes them); nothing else was changed"
+            )
+    for receipt in receipts:
+        receipt["objects_removed"] = [name for name in receipt.pop("planned", ()) if name in gone]
+        gone.difference_update(receipt["objects_removed"])
 
 
 def quarantine_incomplete(store: PackStore, node: bytes, mid: bytes | None) -> dict | None:
@@ -499,20 +522,7 @@ def repair(store: PackStore, *, deadline: float | None = None) -> dict:
                 "damaged objects not deleted yet, unreferenced: gc removes them); nothing else was changed: run it again"
             )
         # every bad cut is out of the index: only now delete what is wrong for its own name
-        gone: set[str] = set()
-        for name, digest in sorted(deferred.items()):
-            dl.check()
-            if _delete_if_unchanged(store, name, digest):
-                gone.add(name)
-            dl.progress = (
-                f"{checked} cuts checked, {len(receipts)} quarantined, {len(gone)} of {len(deferred)} damaged objects deleted "
-                "(the rest are unreferenced: gc removes them); nothing else was changed"
-            )
-        for receipt in receipts:  # each deleted object is reported once, by the first cut naming it
-            receipt["objects_removed"] = [name for name in receipt.get("planned", ()) if name in gone]
-            gone.difference_update(receipt["objects_removed"])
-    for receipt in receipts:
-        receipt.pop("planned", None)
+        _remove_deferred(store, receipts, deferred, dl, f"{checked} cuts checked, {len(receipts)} quarantined")
     return {"cuts_checked": checked, "quarantined": len(receipts), "receipts": receipts}
 
 
