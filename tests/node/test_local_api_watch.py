@@ -67,3 +67,49 @@ def test_echo_id_takes_only_a_whole_valid_c14_id():
     assert echo_id("muser-1-2_a.b") == "muser-1-2_a.b"
     for bad in ("abc\n", "a b", "x" * 101, "", "é", 7, None, "ok\x00"):
         assert echo_id(bad) == "unknown"
+
+
+def _refusing_server(path: str, reply: bytes | None) -> threading.Thread:
+    """A UNIX socket server that reads 1 KiB of one request, writes ``reply`` (if any) and
+    closes, as the node does with a request line over its byte limit."""
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(path)
+    srv.listen(1)
+
+    def serve() -> None:
+        with srv:
+            conn, _ = srv.accept()
+            with conn:
+                conn.recv(1024)
+                if reply is not None:
+                    conn.sendall(reply)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_client_still_sending_gets_the_refusal_not_a_broken_pipe(tmp_path):
+    """Full CI once failed test_request_caps_are_refused_clearly with BrokenPipeError: the
+    node refused a 20,000-token line and closed while the client was still sending it. The
+    refusal was already in the client's receive queue; the client now reads it."""
+    from kvpack.node.local_api import request_local
+
+    path = str(tmp_path / "s")
+    refusal = b'{"ok": false, "error": {"reason": "usage", "detail": "request line longer than 1024 bytes"}}\n'
+    thread = _refusing_server(path, refusal)
+    reply = request_local(path, {"tokens": list(range(1, 400_000))}, timeout=10)  # ~3 MiB: far past the socket buffers
+    thread.join(5)
+    assert reply["ok"] is False and reply["error"]["reason"] == "usage"
+
+
+def test_a_peer_that_closes_without_a_reply_is_still_an_error(tmp_path):
+    import pytest
+
+    from kvpack.node.local_api import request_local
+
+    path = str(tmp_path / "s")
+    thread = _refusing_server(path, None)
+    with pytest.raises((BrokenPipeError, ConnectionResetError)):
+        request_local(path, {"tokens": list(range(1, 400_000))}, timeout=10)
+    thread.join(5)

@@ -454,15 +454,32 @@ def request_local(socket_path: str, payload: dict, timeout: float = 900.0, max_r
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(timeout)
         s.connect(socket_path)
-        s.sendall(json.dumps(payload).encode() + b"\n")
-        buf = bytearray()
-        chunk = bytearray(1 << 16)
-        while True:
-            n = s.recv_into(chunk)
-            if n == 0:
-                break
-            start = len(buf)
-            buf += chunk[:n]
-            if buf.find(b"\n", start) >= 0 or len(buf) > max_reply_bytes:
-                break
-    return json.loads(bytes(buf))
+        try:
+            s.sendall(json.dumps(payload).encode() + b"\n")
+        except (BrokenPipeError, ConnectionResetError) as exc:
+            # The node refuses a request it will not read whole (too long, over a limit)
+            # with one reply line, then closes: a client still sending gets EPIPE, and the
+            # refusal is waiting in its receive queue. Read it rather than lose the reason.
+            try:
+                refused = _read_reply(s, max_reply_bytes)
+            except OSError:
+                raise exc from None
+            if not refused.strip():
+                raise exc
+            return json.loads(bytes(refused))
+        return json.loads(bytes(_read_reply(s, max_reply_bytes)))
+
+
+def _read_reply(s: socket.socket, max_reply_bytes: int) -> bytearray:
+    """Bytes up to and including the first newline (or ``max_reply_bytes``, or the end)."""
+    buf = bytearray()
+    chunk = bytearray(1 << 16)
+    while True:
+        n = s.recv_into(chunk)
+        if n == 0:
+            break
+        start = len(buf)
+        buf += chunk[:n]
+        if buf.find(b"\n", start) >= 0 or len(buf) > max_reply_bytes:
+            break
+    return buf
