@@ -10,6 +10,8 @@ import socket
 import threading
 import time
 
+import pytest
+
 from kvpack.node.local_api import CancelToken, _Watcher
 
 
@@ -113,3 +115,64 @@ def test_a_peer_that_closes_without_a_reply_is_still_an_error(tmp_path):
     with pytest.raises((BrokenPipeError, ConnectionResetError)):
         request_local(path, {"tokens": list(range(1, 400_000))}, timeout=10)
     thread.join(5)
+
+
+def _api_node(tmp_path, limits):
+    from kvpack.node.local_api import ApiSocket, LocalApi
+
+    api_socket = ApiSocket(str(tmp_path / "api.sock"))
+    api = LocalApi(api_socket, lambda req, token: {"echo": len(req.get("tokens", []))}, limits, max_prompt_tokens=1 << 20)
+    return api.start()
+
+
+def _send_then_read(path: str, data: bytes, timeout: float = 10.0) -> bytes:
+    """A plain client (``nc`` style): send everything, half-close, then read the reply."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout)
+        s.connect(path)
+        s.sendall(data)
+        s.shutdown(socket.SHUT_WR)
+        out = bytearray()
+        while chunk := s.recv(1 << 16):
+            out += chunk
+        return bytes(out)
+
+
+def test_a_plain_client_sending_an_oversized_line_reads_its_refusal(tmp_path):
+    """The node drains what a refused client still sends: before, it closed with those bytes
+    unread and a send-then-read client got a reset instead of the reason."""
+    import json
+
+    from kvpack.node.local_api import ApiLimits
+
+    api = _api_node(tmp_path, ApiLimits(max_request_bytes=1024))
+    try:
+        for size in (4 << 20, 16 << 20):  # far past the socket buffers
+            reply = json.loads(_send_then_read(str(tmp_path / "api.sock"), b"x" * size + b"\n"))
+            assert reply["ok"] is False and reply["error"]["reason"] == "usage"
+            assert "longer than 1024 bytes" in reply["error"]["detail"]
+        ok = json.loads(_send_then_read(str(tmp_path / "api.sock"), b'{"tokens": [1, 2, 3]}\n'))
+        assert ok == {"ok": True, "result": {"echo": 3}}  # the slot came back
+    finally:
+        api.stop()
+
+
+def test_the_drain_is_bounded_in_bytes(tmp_path, monkeypatch):
+    """A client that keeps sending after its refusal is cut off once the drain's byte bound
+    is read: it costs the node a bounded slot, not an endless read."""
+    from kvpack.node import local_api
+    from kvpack.node.local_api import ApiLimits
+
+    monkeypatch.setattr(local_api, "DRAIN_BYTES", 1 << 20)
+    api = _api_node(tmp_path, ApiLimits(max_request_bytes=1024))
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(10)
+            s.connect(str(tmp_path / "api.sock"))
+            sent = 0
+            with pytest.raises((BrokenPipeError, ConnectionResetError)):
+                while sent < (256 << 20):
+                    sent += s.send(b"x" * (1 << 20))
+            assert sent < (64 << 20)  # cut off near the bound, not after everything
+    finally:
+        api.stop()

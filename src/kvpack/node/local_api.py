@@ -12,7 +12,9 @@ Why it exists as its own module: the API is a door into the engine, and a door n
   new bytes (linear, never the quadratic ``data += chunk``), refused past
   ``max_request_bytes`` or ``request_read_s``; ``max_new_tokens`` and the prompt length are
   capped (:class:`ApiLimits`); at most ``max_clients`` requests at once. Every refusal is a
-  one-line reply ``{"ok": false, "error": {"reason", "detail"}}``.
+  one-line reply ``{"ok": false, "error": {"reason", "detail"}}``; a request refused while
+  it was read is drained (bounded bytes and time) before the close, so a client still
+  sending it reads the reason instead of a reset.
 * **Cancellation.** While a request is served, one watcher thread polls every in-flight
   client socket; a client that hangs up (Ctrl-C on ``kvpack request``) cancels its
   :class:`CancelToken`, which the node checks between decode steps, while waiting for a
@@ -194,6 +196,41 @@ def read_request_line(conn: socket.socket, limits: ApiLimits) -> Optional[bytes]
             raise UsageError("usage", f"request line longer than {limits.max_request_bytes} bytes")
         if nl >= 0:
             return bytes(buf[:nl])
+
+
+#: what a refused client may still send after its refusal before the node closes anyway
+DRAIN_BYTES = 64 << 20
+DRAIN_S = 2.0
+
+
+def _drain_before_close(conn: socket.socket, limits: ApiLimits) -> None:
+    """Read and discard what a refused client is still sending (at most :data:`DRAIN_BYTES`,
+    for at most :data:`DRAIN_S`), after its refusal line went out and our side is shut.
+
+    Closing a socket with unread bytes resets the connection: a client that is still
+    sending its (too long) request gets EPIPE before it ever reads the reason, which was
+    queued for it. Draining lets a plain send-then-read client (``nc``, a script) finish
+    sending and read its refusal. The bounds keep the slot's cost fixed: a client that
+    sends more, or longer, is cut off as before."""
+    try:
+        conn.shutdown(socket.SHUT_WR)  # the refusal is complete: the client reads EOF after it
+    except OSError:
+        return
+    end = time.monotonic() + min(DRAIN_S, limits.request_read_s)
+    left = DRAIN_BYTES
+    sink = bytearray(1 << 16)
+    while left > 0:
+        wait = end - time.monotonic()
+        if wait <= 0:
+            return
+        try:
+            conn.settimeout(wait)
+            n = conn.recv_into(sink)
+        except OSError:  # timeout, reset: nothing more to wait for
+            return
+        if n == 0:
+            return
+        left -= n
 
 
 def _int_field(req: dict, name: str, default: int, lo: int, hi: int) -> int:
@@ -416,6 +453,7 @@ class LocalApi:
                     req = parse_request(line, self.limits, self.max_prompt_tokens)
                 except KvpackError as exc:
                     self._reply(conn, {"ok": False, "error": {"reason": exc.category, "detail": exc.message}})
+                    _drain_before_close(conn, self.limits)
                     return
                 except Exception as exc:  # noqa: BLE001 - a bug here still answers its one line
                     log.exception("local API: reading a request failed")
