@@ -21,6 +21,19 @@ def random_tokens(n: int, vocab: int, seed: int = 1) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=g).tolist()
 
 
+def assert_same_session(a, b) -> None:
+    """Two sessions hold the same cut bit for bit: tokens, every layer's K/V rows, the
+    logits row (float32) and the cache digest."""
+    assert a.position == b.position and a.tokens == b.tokens
+    for index, (la, lb) in enumerate(zip(a.cache.layers, b.cache.layers)):
+        assert la.get_seq_length() == lb.get_seq_length() == a.position, f"layer {index} rows"
+        assert torch.equal(la.keys, lb.keys), f"layer {index} k"
+        assert torch.equal(la.values, lb.values), f"layer {index} v"
+    assert a.last_logits.dtype == b.last_logits.dtype == torch.float32
+    assert torch.equal(a.last_logits, b.last_logits)
+    assert a.cache_digest() == b.cache_digest()
+
+
 def llama_engine(dtype: str = "f32", device: str = "cpu", **kw) -> TransformersEngine:
     loaded = build_llama(seed=0, **kw)
     loaded.model = loaded.model.to(DTYPES[dtype])

@@ -16,7 +16,7 @@ from kvpack.engine.models import build_llama
 from kvpack.engine.transformers_adapter import PREFILL_BLOCK_ENV, EngineSession, TransformersEngine, transfer_cut
 from kvpack.errors import EngineError
 
-from .conftest import DTYPES, random_tokens, requires_cuda
+from .conftest import DTYPES, assert_same_session, random_tokens, requires_cuda
 
 torch = pytest.importorskip("torch")
 
@@ -29,16 +29,6 @@ def _engines(dtype: str = "f32", device: str = "cpu", forward: str = "lean", blo
     loaded.model = loaded.model.to(DTYPES[dtype])
     kw = dict(threads=2, prefill_chunk_tokens=256, device=device, prefill_attention="lower_right", prefill_forward=forward)
     return TransformersEngine(loaded, prefill_block_chunks=1, **kw), TransformersEngine(loaded, prefill_block_chunks=blocks, **kw)
-
-
-def _same(a: EngineSession, b: EngineSession) -> None:
-    assert a.position == b.position and a.tokens == b.tokens
-    for index, (la, lb) in enumerate(zip(a.cache.layers, b.cache.layers)):
-        assert la.get_seq_length() == lb.get_seq_length() == a.position, f"layer {index} rows"
-        assert torch.equal(la.keys, lb.keys), f"layer {index} k"
-        assert torch.equal(la.values, lb.values), f"layer {index} v"
-    assert torch.equal(a.last_logits, b.last_logits)
-    assert a.cache_digest() == b.cache_digest()
 
 
 def _count_blocks(monkeypatch) -> list[int]:
@@ -69,7 +59,7 @@ def test_blocks_equal_the_grid(engines, monkeypatch):
         a, b = grid.new_session(), blocks.new_session()
         a.prefill(tokens[:n])
         b.prefill(tokens[:n])
-        _same(a, b)
+        assert_same_session(a, b)
     assert calls and set(calls) == {1024}  # blocks really ran (and only for whole blocks)
     # after an unaligned start (a decode), a block starts at the next grid boundary
     a, b = grid.new_session(), blocks.new_session()
@@ -77,7 +67,7 @@ def test_blocks_equal_the_grid(engines, monkeypatch):
         s.prefill(tokens[:100])
         s.decode_greedy(3)
         s.prefill(tokens[103:1500])
-    _same(a, b)
+    assert_same_session(a, b)
     assert a.decode_greedy(5)[0] == b.decode_greedy(5)[0]
 
 
@@ -116,8 +106,8 @@ def test_a_cut_shown_inside_a_block_restores_and_continues_exactly(engines):
     resumed.prefill(tokens[768:])
     whole = grid.new_session()
     whole.prefill(tokens)
-    _same(whole, resumed)
-    _same(whole, donor)
+    assert_same_session(whole, resumed)
+    assert_same_session(whole, donor)
 
 
 def test_a_callback_that_raises_leaves_that_cut(engines):
@@ -135,7 +125,7 @@ def test_a_callback_that_raises_leaves_that_cut(engines):
     s.prefill(tokens[512:])  # the rows written past the cut are overwritten, not reused
     whole = grid.new_session()
     whole.prefill(tokens)
-    _same(whole, s)
+    assert_same_session(whole, s)
 
 
 def test_a_failing_block_leaves_the_session_where_it_was(monkeypatch):
@@ -161,7 +151,7 @@ def test_a_failing_block_leaves_the_session_where_it_was(monkeypatch):
     s.prefill(tokens[256:])
     whole = grid.new_session()
     whole.prefill(tokens)
-    _same(whole, s)
+    assert_same_session(whole, s)
 
 
 def test_blocks_that_differ_from_the_grid_are_turned_off(monkeypatch):
@@ -185,7 +175,7 @@ def test_blocks_that_differ_from_the_grid_are_turned_off(monkeypatch):
     a, b = grid.new_session(), blocks.new_session()
     a.prefill(tokens)
     b.prefill(tokens)
-    _same(a, b)
+    assert_same_session(a, b)
     assert calls == []
 
 
@@ -221,6 +211,31 @@ def test_cuda_blocks_equal_the_grid(dtype, monkeypatch):
         a, b = grid.new_session(), blocks.new_session()
         a.prefill(tokens[:n])
         b.prefill(tokens[:n])
-        _same(a, b)
+        assert_same_session(a, b)
     assert calls and blocks._segmented_block.graphs is not None  # captured on the device
     assert a.decode_greedy(8)[0] == b.decode_greedy(8)[0]
+
+
+def test_a_daemon_runs_the_probe_at_start_not_in_its_first_request(monkeypatch):
+    """``kvpack producer`` / ``receiver`` load the engine through ``commands.node._engine``,
+    which runs the block probe there (``prepare``); the first prefill then runs no probe."""
+    import argparse
+
+    from kvpack.commands import node as node_commands
+    from kvpack.node import common
+
+    _grid, blocks = _engines(forward="lean", blocks=2)
+    probes: list[int] = []
+    real_probe = TransformersEngine._probe_blocks
+
+    def counted(self):
+        probes.append(self.block_chunks)
+        return real_probe(self)
+
+    monkeypatch.setattr(TransformersEngine, "_probe_blocks", counted)
+    monkeypatch.setattr(common, "load_engine", lambda spec, threads=None: blocks)
+    loaded = node_commands._engine(argparse.Namespace(engine="test-llama", threads=2))
+    assert loaded is blocks and probes == [2] and blocks.block_reason is None
+    session = blocks.new_session()
+    session.prefill(random_tokens(1100, blocks.layout.vocab_size, seed=11))
+    assert probes == [2] and session.position == 1100

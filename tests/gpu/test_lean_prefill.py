@@ -15,7 +15,7 @@ from kvpack.engine.models import build_cohere2, build_llama
 from kvpack.engine.transformers_adapter import PREFILL_FORWARD_ENV, TransformersEngine, transfer_cut
 from kvpack.errors import EngineError
 
-from .conftest import DTYPES, random_tokens, requires_cuda
+from .conftest import DTYPES, assert_same_session, random_tokens, requires_cuda
 
 torch = pytest.importorskip("torch")
 
@@ -32,16 +32,6 @@ def _pair(dtype: str = "f32", device: str = "cpu", forward: str = "lean", **kw):
     return engines["model"], engines[forward]
 
 
-def _assert_same_cache(a, b) -> None:
-    assert a.position == b.position
-    for layer, (la, lb) in enumerate(zip(a.cache.layers, b.cache.layers)):
-        assert torch.equal(la.keys, lb.keys), f"layer {layer} k"
-        assert torch.equal(la.values, lb.values), f"layer {layer} v"
-    assert a.last_logits.dtype == b.last_logits.dtype == torch.float32
-    assert torch.equal(a.last_logits, b.last_logits)
-    assert a.cache_digest() == b.cache_digest()
-
-
 @pytest.fixture(scope="module", params=[(dtype, forward) for forward in ("lean", "graphs") for dtype in ("f32", "bf16", "f16")], ids=str)
 def pair(request):
     dtype, forward = request.param
@@ -56,7 +46,7 @@ def test_lean_prefill_is_bit_identical_to_the_model_forward(pair):
         a, b = model.new_session(), lean.new_session()
         a.prefill(tokens[:n])
         b.prefill(tokens[:n])
-        _assert_same_cache(a, b)
+        assert_same_session(a, b)
 
 
 def test_lean_prefill_really_differs_from_a_perturbed_model():
@@ -86,7 +76,7 @@ def test_restored_then_continued_equals_uninterrupted(pair):
     resumed = lean.new_session()
     transfer_cut(part, resumed)
     resumed.prefill(tokens[512:])
-    _assert_same_cache(whole, resumed)
+    assert_same_session(whole, resumed)
 
 
 def test_decode_after_a_lean_prefill_equals_decode_after_a_model_prefill(pair):
@@ -99,11 +89,11 @@ def test_decode_after_a_lean_prefill_equals_decode_after_a_model_prefill(pair):
     out_b, logits_b = b.decode_greedy(12)
     assert out_a == out_b
     assert all(torch.equal(x, y) for x, y in zip(logits_a, logits_b))
-    _assert_same_cache(a, b)
+    assert_same_session(a, b)
     # and a prefill after decode (not chunk-aligned any more) stays identical
     a.prefill(tokens[:300])
     b.prefill(tokens[:300])
-    _assert_same_cache(a, b)
+    assert_same_session(a, b)
 
 
 def test_on_chunk_sees_every_chunk_boundary():
@@ -186,7 +176,7 @@ def test_hooks_added_after_the_build_refuse_the_lean_prefill():
     s.prefill(tokens)
     a = model.new_session()
     a.prefill(tokens)
-    _assert_same_cache(a, s)
+    assert_same_session(a, s)
 
 
 @requires_cuda
@@ -198,7 +188,7 @@ def test_cuda_lean_prefill_is_bit_identical(dtype):
         a, b = model.new_session(), lean.new_session()
         a.prefill(tokens[:n])
         b.prefill(tokens[:n])
-        _assert_same_cache(a, b)
+        assert_same_session(a, b)
     whole = model.new_session()
     whole.prefill(tokens[:900])
     part = lean.new_session()
@@ -206,11 +196,11 @@ def test_cuda_lean_prefill_is_bit_identical(dtype):
     resumed = lean.new_session()
     transfer_cut(part, resumed)
     resumed.prefill(tokens[512:900])
-    _assert_same_cache(whole, resumed)
+    assert_same_session(whole, resumed)
     out_a, _ = whole.decode_greedy(8)
     out_b, _ = resumed.decode_greedy(8)
     assert out_a == out_b
-    _assert_same_cache(whole, resumed)
+    assert_same_session(whole, resumed)
 
 
 @requires_cuda
@@ -303,7 +293,7 @@ def test_cuda_graph_prefill_is_bit_identical(dtype):
         a, b = model.new_session(), graphs.new_session()
         a.prefill(tokens[:n])
         b.prefill(tokens[:n])
-        _assert_same_cache(a, b)
+        assert_same_session(a, b)
     assert graphs._segmented.graphs is not None  # captured on the device
     part = graphs.new_session()
     part.prefill(tokens[:512])
@@ -312,9 +302,9 @@ def test_cuda_graph_prefill_is_bit_identical(dtype):
     resumed.prefill(tokens[512:1030])
     whole = model.new_session()
     whole.prefill(tokens)
-    _assert_same_cache(whole, resumed)
+    assert_same_session(whole, resumed)
     assert whole.decode_greedy(8)[0] == resumed.decode_greedy(8)[0]
-    _assert_same_cache(whole, resumed)
+    assert_same_session(whole, resumed)
 
 
 def _prefill_at_once(model, graphs, tokens: int, seed: int, own_streams: bool) -> None:

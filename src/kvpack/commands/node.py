@@ -54,7 +54,11 @@ def _engine(args):
     from ..progress import status
 
     with status(f"loading engine {args.engine} ..."):
-        return load_engine(args.engine, threads=args.threads)
+        engine = load_engine(args.engine, threads=args.threads)
+    if callable(getattr(engine, "prepare", None)):
+        with status("checking the engine on this device (block prefill probe) ..."):
+            engine.prepare()
+    return engine
 
 
 def _refuse_ignored_daemon_flags(args: argparse.Namespace) -> None:

@@ -254,6 +254,12 @@ class TransformersEngine:
                     self._block_checked = True
         return self.prefill_chunk_tokens * self.block_chunks
 
+    def prepare(self) -> None:
+        """Run now the one-time check a first prefill would otherwise pay (the block probe:
+        two prefills of up to 2,304 tokens on a CUDA engine). The daemons call it at start,
+        so the first request's TTFT is a prefill's, not a prefill's plus the probe's."""
+        self.block_tokens()
+
     def _probe_blocks(self) -> None:
         """Prefill a probe prompt in blocks and one chunk at a time; keep blocks only if
         every plane and every chunk's logits row agree bit for bit.
