@@ -19,7 +19,7 @@ from kvpack.generate import generate
 from kvpack.store import PackStore, Unreadable
 from kvpack.testing.faults import FaultyOps
 
-from .helpers import TOKENS, PosixBackend, engine, files, names, session_with
+from .helpers import TOKENS, PosixBackend, engine, files, flip, names, session_with
 
 
 def _engine():
@@ -209,3 +209,53 @@ def test_a_hung_seaweedfs_costs_a_lookup_its_short_timeouts_then_a_miss(hung):
     hung.cont()
     assert names(store, "index/") == entries and not names(store, "quarantine/")
     assert store.find_deepest(TOKENS, eng.layout, eng.ids()).cut == len(TOKENS)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)  # a hang guard: before, the quarantine's requests had 30 s x 3 each
+def test_a_server_that_hangs_mid_quarantine_ends_the_lookup_within_its_deadline(hung, monkeypatch):
+    """A restore refuses a damaged cut and the lookup quarantines it; SeaweedFS stops
+    answering right then. The quarantine runs under the restore's deadline, so the lookup
+    ends as a miss (the entry reported unreadable, ``io``) soon after it, the live session
+    untouched; before, every request of the quarantine waited the default client's 30 s x 3.
+    What the cut-short quarantine left is healed by the next lookup once the server answers."""
+    import time
+
+    from kvpack.store import maintenance
+    from kvpack.store.packstore import chunk_name
+
+    store = hung.store
+    store.restore_deadline_s = 4.0
+    eng = _engine()
+    session_with(eng, TOKENS, store)
+    top = store.find_deepest(TOKENS, eng.layout, eng.ids())
+    refs = [ref for manifest in store.load_chain(top.manifest_id) for _key, _span, ref in manifest.chunk_refs()]
+    flip(store, chunk_name(refs[0].content_id), 100)  # a chunk of the deepest cut
+
+    real = maintenance.quarantine_after_refusal
+    calls = []
+
+    def hang_then_quarantine(store_, hit, exc):
+        calls.append(exc.category)
+        hung.stop()
+        return real(store_, hit, exc)
+
+    monkeypatch.setattr(maintenance, "quarantine_after_refusal", hang_then_quarantine)
+    live = eng.new_session()
+    t0 = time.monotonic()
+    found = store.lookup_restore(TOKENS, live)
+    took = time.monotonic() - t0
+    assert calls == ["corrupt"]
+    assert found.hit is None and live.position == 0 and not found.quarantined
+    assert [u.error.category for u in found.unreadable] == ["io"]
+    assert took < 60, took  # the deadline (4 s) and a request started just before it
+    print(f"lookup with a hung quarantine: {took:.1f} s")
+
+    hung.cont()
+    monkeypatch.undo()
+    healed = store.lookup_restore(TOKENS, eng.new_session())
+    assert healed.quarantined and healed.quarantined[0]["manifest_id"] == top.manifest_id.hex()
+    assert healed.hit is not None and healed.hit.cut < top.cut  # a shallower cut serves
+    assert store.find_deepest(TOKENS, eng.layout, eng.ids()).cut == healed.hit.cut
+    store.repair()
+    assert store.verify(read_data=True)["ok"]

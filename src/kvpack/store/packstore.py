@@ -741,9 +741,10 @@ class PackStore:
             from .maintenance import quarantine_incomplete
 
             receipts = []
+            healer = self._bounded(self.restore_deadline_s)  # a hung server costs the lookup its deadline
             for node, mid in incomplete:
                 try:
-                    receipt = quarantine_incomplete(self, node, mid)
+                    receipt = quarantine_incomplete(healer, node, mid)
                 except (StoreError, DurableIOError) as exc:
                     if isinstance(exc, StoreError) and exc.category in ("corrupt", "incomplete"):
                         raise
@@ -783,7 +784,10 @@ class PackStore:
                 raise
             from .maintenance import quarantine_after_refusal
 
-            return None, quarantine_after_refusal(self, hit, exc), False
+            # bounded like the restore: a server that stops answering mid-quarantine ends it
+            # (io: the lookup's miss) within the deadline; what it did so far is a crash
+            # mid-quarantine, which the order of its steps already makes safe
+            return None, quarantine_after_refusal(self._bounded(self.restore_deadline_s), hit, exc), False
 
     def lookup_restore(
         self,
