@@ -29,6 +29,7 @@ import hashlib
 import os
 import sys
 import threading
+import time
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -79,6 +80,76 @@ def _wire_dtype(dtype: Any) -> str:
     if name not in _TORCH_TO_WIRE:
         raise EngineError("unsupported", f"cache dtype {name} has no production-v1 wire value")
     return _TORCH_TO_WIRE[name]
+
+
+#: longest a forward waits for engines of other process-wide settings to finish theirs
+SETTINGS_WAIT_S = 600.0
+
+
+class _ProcessSettings:
+    """Forwards of engines whose process-wide settings differ never overlap.
+
+    An engine's identity records torch's thread count and, on CUDA, the GEMM library; a
+    forward must compute under both. The GEMM library is global to the process
+    (``torch.backends.cuda.preferred_blas_library``; the thread count is per thread under
+    OpenMP builds, global under others). Each engine puts them back before a forward, but
+    with two engines of different settings forwarding in two threads, one could change
+    them under the other mid-forward (rows computed by another GEMM library: bits its
+    identity does not promise). So a
+    forward holds the settings it needs; engines of the same settings run concurrently, an
+    engine of other settings waits until they are done (at most ``SETTINGS_WAIT_S``), and a
+    thread that already holds other settings is refused rather than deadlocked."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._key: tuple | None = None
+        self._active = 0
+        self._mine = threading.local()
+
+    def hold(self, key: tuple, apply: Callable[[], None]) -> "_Held":
+        return _Held(self, key, apply)
+
+    def _enter(self, key: tuple, apply: Callable[[], None]) -> None:
+        held = getattr(self._mine, "stack", None)
+        if held is None:
+            held = self._mine.stack = []
+        if held and held[-1] != key:
+            raise EngineError(
+                "unsupported", f"a forward under process settings {key} inside one under {held[-1]} in the same thread (threads, CUDA GEMM library)"
+            )
+        deadline = time.monotonic() + SETTINGS_WAIT_S
+        with self._cond:
+            while self._active and self._key != key:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise EngineError("unsupported", f"engines of other process settings than {key} held the process for {SETTINGS_WAIT_S:g} s")
+                self._cond.wait(left)
+            apply()
+            self._key = key
+            self._active += 1
+        held.append(key)
+
+    def _exit(self) -> None:
+        self._mine.stack.pop()
+        with self._cond:
+            self._active -= 1
+            if not self._active:
+                self._key = None
+                self._cond.notify_all()
+
+
+class _Held:
+    def __init__(self, settings: _ProcessSettings, key: tuple, apply: Callable[[], None]) -> None:
+        self._settings, self._key, self._apply = settings, key, apply
+
+    def __enter__(self) -> None:
+        self._settings._enter(self._key, self._apply)
+
+    def __exit__(self, *exc: object) -> None:
+        self._settings._exit()
+
+
+PROCESS_SETTINGS = _ProcessSettings()
 
 
 class TransformersEngine:
@@ -227,6 +298,10 @@ class TransformersEngine:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 torch.backends.cuda.preferred_blas_library(self.cuda_blas)
+
+    def process_settings(self) -> "_Held":
+        """Hold this engine's process-wide settings for a forward (:class:`_ProcessSettings`)."""
+        return PROCESS_SETTINGS.hold((self.threads, self.cuda_blas), self.assert_process_settings)
 
     def _choose_block_chunks(self, wanted: int | None) -> int:
         if wanted is None:
@@ -547,9 +622,8 @@ class EngineSession:
         plan) runs them through the lean forward instead of the model's (the same bits).
         ``device_ids``: ``ids`` already on the device as a ``(1, n)`` long tensor."""
         torch = _torch()
-        self.engine.assert_process_settings()
-        x = device_ids if device_ids is not None else torch.tensor([ids], dtype=torch.long, device=self.engine.device)
-        with torch.inference_mode():
+        with self.engine.process_settings(), torch.inference_mode():
+            x = device_ids if device_ids is not None else torch.tensor([ids], dtype=torch.long, device=self.engine.device)
             if lean is not None and self.engine.prefill_forward == "graphs" and len(ids) == self.engine.prefill_chunk_tokens:
                 logits = self.engine.segmented_chunk(lean).forward(self.cache.layers, x, self.position)
             elif lean is not None:
@@ -624,12 +698,11 @@ class EngineSession:
         with ``on_chunk`` after each, as the grid leaves them (the block's later rows are
         written but not yet the layers' rows)."""
         torch = _torch()
-        self.engine.assert_process_settings()
         n = self.engine.prefill_chunk_tokens
         past = self.position
         layers = self.cache.layers
         try:
-            with torch.inference_mode():
+            with self.engine.process_settings(), torch.inference_mode():
                 if self.engine.prefill_forward == "graphs":
                     rows = self.engine.segmented_block(lean, len(ids)).forward_block(layers, device_ids, past)
                 else:
