@@ -102,3 +102,39 @@ def test_same_settings_forward_concurrently_and_nesting_other_settings_is_refuse
     assert refused.value.category == "unsupported"
     with settings.hold((1, None), lambda: None):  # nothing was left held
         pass
+
+
+def test_a_waiting_engine_is_not_starved_by_a_stream_of_the_held_settings():
+    """While an engine of other settings waits, new forwards of the held settings queue
+    behind it: it runs as soon as the forwards in progress end."""
+    settings = transformers_adapter._ProcessSettings()
+    order: list[str] = []
+    gates = {name: threading.Event() for name in ("a", "b", "c")}
+    inside = {name: threading.Event() for name in ("a", "b", "c")}
+
+    def forward(name: str, key: tuple) -> None:
+        with settings.hold(key, lambda: None):
+            order.append(name)
+            inside[name].set()
+            assert gates[name].wait(10)
+
+    a = threading.Thread(target=forward, args=("a", (2, None)))
+    a.start()
+    assert inside["a"].wait(10)
+    b = threading.Thread(target=forward, args=("b", (1, None)))  # other settings: waits for a
+    b.start()
+    for _ in range(200):
+        if settings._waiting.get((1, None)):
+            break
+        threading.Event().wait(0.01)
+    c = threading.Thread(target=forward, args=("c", (2, None)))  # a's settings, after b asked
+    c.start()
+    assert not inside["c"].wait(0.3) and not inside["b"].is_set()
+    gates["a"].set()
+    assert inside["b"].wait(10) and not inside["c"].is_set()
+    gates["b"].set()
+    assert inside["c"].wait(10)
+    gates["c"].set()
+    for t in (a, b, c):
+        t.join(10)
+    assert order == ["a", "b", "c"]

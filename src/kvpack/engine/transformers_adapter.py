@@ -95,16 +95,24 @@ class _ProcessSettings:
     OpenMP builds, global under others). Each engine puts them back before a forward, but
     with two engines of different settings forwarding in two threads, one could change
     them under the other mid-forward (rows computed by another GEMM library: bits its
-    identity does not promise). So a
-    forward holds the settings it needs; engines of the same settings run concurrently, an
-    engine of other settings waits until they are done (at most ``SETTINGS_WAIT_S``), and a
-    thread that already holds other settings is refused rather than deadlocked."""
+    identity does not promise). So a forward holds the settings it needs: engines of the
+    same settings run concurrently, an engine of other settings waits until they are done
+    (at most ``SETTINGS_WAIT_S``; while it waits, new forwards of the held settings wait
+    behind it, so a steady stream of them cannot starve it), and a thread that already
+    holds other settings is refused rather than deadlocked."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._key: tuple | None = None
         self._active = 0
+        self._waiting: dict[tuple, int] = {}
         self._mine = threading.local()
+
+    def _must_wait(self, key: tuple, nested: bool) -> bool:
+        if self._active and self._key != key:
+            return True
+        # a new (not nested) forward of the held settings queues behind other settings
+        return not nested and self._active > 0 and any(k != key and n for k, n in self._waiting.items())
 
     def hold(self, key: tuple, apply: Callable[[], None]) -> "_Held":
         return _Held(self, key, apply)
@@ -119,11 +127,16 @@ class _ProcessSettings:
             )
         deadline = time.monotonic() + SETTINGS_WAIT_S
         with self._cond:
-            while self._active and self._key != key:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise EngineError("unsupported", f"engines of other process settings than {key} held the process for {SETTINGS_WAIT_S:g} s")
-                self._cond.wait(left)
+            self._waiting[key] = self._waiting.get(key, 0) + 1
+            try:
+                while self._must_wait(key, nested=bool(held)):
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise EngineError("unsupported", f"engines of other process settings than {key} held the process for {SETTINGS_WAIT_S:g} s")
+                    self._cond.wait(left)
+            finally:
+                self._waiting[key] -= 1
+                self._cond.notify_all()  # a queued forward may go now that this one stopped waiting
             apply()
             self._key = key
             self._active += 1
