@@ -123,10 +123,11 @@ def test_a_waiting_engine_is_not_starved_by_a_stream_of_the_held_settings():
     assert inside["a"].wait(10)
     b = threading.Thread(target=forward, args=("b", (1, None)))  # other settings: waits for a
     b.start()
-    for _ in range(200):
-        if settings._waiting.get((1, None)):
+    for _ in range(1000):  # until b is in line (a thread may take a while to start on a busy host)
+        if (1, None) in settings._waiters.values():
             break
         threading.Event().wait(0.01)
+    assert (1, None) in settings._waiters.values()
     c = threading.Thread(target=forward, args=("c", (2, None)))  # a's settings, after b asked
     c.start()
     assert not inside["c"].wait(0.3) and not inside["b"].is_set()

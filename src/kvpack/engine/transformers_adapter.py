@@ -26,6 +26,7 @@ Determinism (what "same computation order" means here, see docs/engine.md):
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 import sys
 import threading
@@ -105,14 +106,16 @@ class _ProcessSettings:
         self._cond = threading.Condition()
         self._key: tuple | None = None
         self._active = 0
-        self._waiting: dict[tuple, int] = {}
+        self._waiters: dict[int, tuple] = {}  # ticket (arrival order) -> settings, of waiting forwards
+        self._tickets = itertools.count()
         self._mine = threading.local()
 
-    def _must_wait(self, key: tuple, nested: bool) -> bool:
+    def _must_wait(self, key: tuple, ticket: int) -> bool:
         if self._active and self._key != key:
             return True
-        # a new (not nested) forward of the held settings queues behind other settings
-        return not nested and self._active > 0 and any(k != key and n for k, n in self._waiting.items())
+        # behind every forward of other settings that asked first: the first in line always
+        # goes once the forwards in progress are done, so no one waits forever
+        return any(other != key and earlier < ticket for earlier, other in self._waiters.items())
 
     def hold(self, key: tuple, apply: Callable[[], None]) -> "_Held":
         return _Held(self, key, apply)
@@ -127,16 +130,18 @@ class _ProcessSettings:
             )
         deadline = time.monotonic() + SETTINGS_WAIT_S
         with self._cond:
-            self._waiting[key] = self._waiting.get(key, 0) + 1
-            try:
-                while self._must_wait(key, nested=bool(held)):
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        raise EngineError("unsupported", f"engines of other process settings than {key} held the process for {SETTINGS_WAIT_S:g} s")
-                    self._cond.wait(left)
-            finally:
-                self._waiting[key] -= 1
-                self._cond.notify_all()  # a queued forward may go now that this one stopped waiting
+            if not held:  # a nested forward already holds these settings: it never waits
+                ticket = next(self._tickets)
+                self._waiters[ticket] = key
+                try:
+                    while self._must_wait(key, ticket):
+                        left = deadline - time.monotonic()
+                        if left <= 0:
+                            raise EngineError("unsupported", f"engines of other process settings than {key} held the process for {SETTINGS_WAIT_S:g} s")
+                        self._cond.wait(left)
+                finally:
+                    del self._waiters[ticket]
+                    self._cond.notify_all()  # the next in line may go now that this one left the line
             apply()
             self._key = key
             self._active += 1
