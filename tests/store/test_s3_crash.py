@@ -77,7 +77,7 @@ def test_publisher_sigkilled_at_random_points_never_leaves_a_broken_visible_cut(
             [sys.executable, "-c", KILLED_CHILD.format(location=store.path, base=3 * i)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
         )
         assert proc.stdout.readline().strip() == "ready", proc.stderr.read()
-        time.sleep(rng.uniform(0.05, 0.8))
+        time.sleep(rng.uniform(0.05, 1.4))  # 0.8 let a slow 2-core host publish only 7 cuts in 52 runs
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         assert proc.returncode == -signal.SIGKILL, proc.stderr.read()
@@ -176,7 +176,9 @@ def test_race_accounting_excuses_only_cuts_forgotten_after_their_save_began(tmp_
 
 
 def test_two_publishers_gc_and_restores_for_a_minute(tmp_path, seaweed):
-    grace = 6.0
+    # a publication over half the grace is refused (the store's rule): 6 s refused 14 of 102
+    # on a slow 2-core host, past the 10 % the test allows
+    grace = 12.0
     backend = S3Backend(seaweed, gc_grace_s=grace)
     store = backend.new(tmp_path, name="race")
     env = _child_env(seaweed, backend.keys[store.path], grace=grace)

@@ -301,7 +301,7 @@ def test_gc_keeps_the_grandparent_of_a_delta_when_two_levels_are_forgotten_durin
 
 
 def test_a_sweep_that_outlasts_half_the_grace_period_refuses_the_commit(tmp_path, seaweed):
-    grace = 2.0
+    grace = WAITING_GRACE_S  # its own writes must stay under half of it: the sweep is what refuses
     store = S3Backend(seaweed, gc_grace_s=grace).new(tmp_path, name="long-sweep")
     eng = engine()
     tokens = TOKENS[:512]
