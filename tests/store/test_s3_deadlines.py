@@ -267,8 +267,11 @@ def test_a_gc_stopped_mid_sweep_deleted_only_garbage_and_the_next_one_finishes(h
     hit = store.find_deepest(TOKENS[:1024], eng.layout, eng.ids())
     assert hit.cut == 768 and store.restore(hit, live, TOKENS[:768]).cut == 768
     assert live.cache_digest() == session_with(eng, TOKENS[:768]).cache_digest()  # bit-exact
+    # The first gc usually stopped before the logits, but not always: on a loaded host the
+    # SIGSTOP can take effect after the server already served that pack's DELETE and the next
+    # (a CI run saw the second gc find nothing left). Either way, after the second gc no
+    # garbage of the forgotten cut is left and a third finds nothing:
     removed = store.gc()
-    assert removed["chunks"] + removed["packs"] + removed["logits"] >= 1, removed  # the first one stopped before the logits
     assert pack_name(top.manifest_id) not in names(store, "packs/") and logits_name(top.manifest_id) not in names(store, "logits/")
     assert set(names(store, "packs/")) < packs and set(names(store, "chunks/")) < chunks
     assert store.verify(read_data=True)["ok"] and store.gc() == dict.fromkeys(removed, 0)
